@@ -1,0 +1,197 @@
+"""Records that cross process and module boundaries.
+
+Per-token arrays are numpy (int32 ids, float32 log-probs, bool masks), never Python lists,
+so they pickle compactly through Monarch. Shape suffixes: N = completion tokens of one
+turn, L = tokens of one episode, R = rows of a batch, S = sequence length of a row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+import numpy as np
+
+Message = dict[str, str]
+"""One chat message: {"role": "system" | "user" | "assistant", "content": str}."""
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # sampled a stop token (kept as the last token)
+    LENGTH = "length"  # hit max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the engine (drain, close)
+    ERROR = "error"  # the request itself was invalid; see Completion.error
+
+
+class RolloutStatus(StrEnum):
+    COMPLETED = "completed"
+    TRUNCATED_LENGTH = "truncated_length"  # a completion hit max_tokens
+    TRUNCATED_PROMPT = "truncated_prompt"  # the next prompt would exceed the token budget
+    TRUNCATED_TURNS = "truncated_turns"  # env.max_turns reached before the env said done
+    ERROR_PARSE = "error_parse"
+    ERROR_TIMEOUT = "error_timeout"
+    ERROR_ENV = "error_env"
+    ERROR_GENERATOR = "error_generator"
+    ERROR_REWARD = "error_reward"
+
+    def is_error(self) -> bool:
+        return self.value.startswith("error")
+
+    def is_truncated(self) -> bool:
+        return self.value.startswith("truncated")
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingParams:
+    """Per-request sampling. temperature == 0 means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    """Nucleus mass kept, in (0, 1]; 1 disables."""
+    top_k: int = 0
+    """Number of most likely tokens kept; 0 disables."""
+    max_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+    """Seeds this request's own generator, so results do not depend on batching order."""
+    return_support: bool = False
+    """Record the token ids kept by top-p/top-k at each position (for mask replay)."""
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Completion:
+    """One generated turn.
+
+    `logprobs_N[i]` is log p(token_ids_N[i] | prefix) under the distribution the token was
+    sampled from: the policy's logits divided by the temperature, renormalised over the
+    top-p/top-k support when those are active (greedy: temperature 1, full vocabulary).
+    With return_support, the kept ids at position i are
+    `support_ids[support_offsets[i]:support_offsets[i + 1]]` (CSR).
+    """
+
+    request_id: str
+    token_ids_N: np.ndarray  # int32
+    logprobs_N: np.ndarray  # float32
+    finish_reason: FinishReason
+    policy_version_min: int = 0
+    policy_version_max: int = 0
+    error: str | None = None
+    support_ids: np.ndarray | None = None  # int32 [sum of kept]
+    support_offsets: np.ndarray | None = None  # int32 [N + 1]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids_N.shape[0])
+
+
+class GenerateFn(Protocol):
+    """What the Rollouter calls for one turn; None means the generator is gone."""
+
+    async def __call__(
+        self,
+        prompt_ids: np.ndarray,
+        *,
+        request_id: str,
+        session_id: str | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> Completion | None: ...
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutTurn:
+    """One assistant turn: the full prompt it saw (token ids), what it sampled, the env's reply."""
+
+    prompt_ids: np.ndarray  # int32, everything before the completion
+    completion: Completion
+    assistant_text: str
+    env_messages: list[Message] = field(default_factory=list)
+    reward_signals: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True, slots=True)
+class Rollout:
+    group_id: int
+    rollout_id: int
+    session_id: str
+    sample: dict[str, Any]
+    """The env sample (e.g. names per turn) this rollout was played on."""
+    messages: list[Message] = field(default_factory=list)
+    turns: list[RolloutTurn] = field(default_factory=list)
+    status: RolloutStatus = RolloutStatus.COMPLETED
+    error: str | None = None
+    reward: float = 0.0
+    reward_breakdown: dict[str, float] = field(default_factory=dict)
+    advantage: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutGroup:
+    group_id: int
+    rollouts: list[Rollout]
+
+
+@dataclass(kw_only=True, slots=True)
+class Episode:
+    """One packed token sequence for one rollout branch.
+
+    For a 2-turn rollout with prompt P0, completion A0, env reply E0, completion A1:
+        token_ids_L      = P0 + A0 + E0 + A1
+        loss_mask_L      = [0]*len(P0) + [1]*len(A0) + [0]*len(E0) + [1]*len(A1)
+        logprobs_L       = generator log-probs on A0/A1 tokens, 0 elsewhere
+        advantages_L     = the rollout advantage on A0/A1 tokens, 0 elsewhere
+    The label of position t is token_ids_L[t + 1]; the batcher does the shift.
+    """
+
+    token_ids_L: np.ndarray  # int32
+    loss_mask_L: np.ndarray  # bool
+    logprobs_L: np.ndarray  # float32
+    advantages_L: np.ndarray  # float32
+    group_id: int = 0
+    rollout_id: int = 0
+    branch: int = 0
+    policy_version_min: int = 0
+    policy_version_max: int = 0
+    support_ids: np.ndarray | None = None  # int32 CSR over loss-mask positions, in order
+    support_offsets: np.ndarray | None = None  # int32 [num loss tokens + 1]
+
+    def __len__(self) -> int:
+        return int(self.token_ids_L.shape[0])
+
+
+@dataclass(kw_only=True, slots=True)
+class Microbatch:
+    """Packed rows for one forward/backward on one data-parallel rank.
+
+    Documents (episodes) sit side by side in a row; attention never crosses documents
+    (`document_ids_RS`, -1 on padding) and positions restart at 0 for every document.
+    `labels_RS[r, t]` is the token after `input_ids_RS[r, t]`; the per-token arrays below are
+    aligned with labels: `loss_mask_RS[r, t]` says whether label t is trained on.
+    `sequence_ids_RS` numbers episodes within the whole step (-1 on padding) for
+    sequence-level losses. `num_global_loss_tokens` counts loss tokens over all ranks
+    and microbatches of the step (token-mean denominator).
+    """
+
+    input_ids_RS: np.ndarray  # int32
+    labels_RS: np.ndarray  # int32
+    positions_RS: np.ndarray  # int32
+    document_ids_RS: np.ndarray  # int32
+    loss_mask_RS: np.ndarray  # bool
+    logprobs_RS: np.ndarray  # float32, generator log-prob of the label
+    advantages_RS: np.ndarray  # float32
+    sequence_ids_RS: np.ndarray  # int32
+    num_global_loss_tokens: int
+    num_global_sequences: int
+    support_ids: np.ndarray | None = None  # int32 CSR over loss tokens in row-major order
+    support_offsets: np.ndarray | None = None
