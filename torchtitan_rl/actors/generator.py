@@ -1,0 +1,58 @@
+"""Monarch adapter for the generation Engine: one actor per generator process."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from monarch.actor import Actor, concurrent_endpoint
+
+from torchtitan_rl.generation.engine import Engine, EngineConfig
+from torchtitan_rl.models.qwen3 import ModelConfig, build_model
+from torchtitan_rl.training.parallelize import pick_device
+from torchtitan_rl.training.weight_sync import PackedWeights, unpack_weights
+from torchtitan_rl.types import Completion, FinishReason, SamplingParams
+
+
+class GeneratorActor(Actor):
+    """Serves many concurrent `generate` calls; they coalesce in the engine's running batch."""
+
+    def __init__(self, model: ModelConfig, engine: EngineConfig, vocab_size: int, device: str):
+        dev = pick_device(device)
+        self.engine = Engine(build_model(model, vocab_size, dev), engine, dev)
+
+    @concurrent_endpoint
+    async def generate(
+        self,
+        prompt_ids: np.ndarray,
+        request_id: str,
+        session_id: str | None,
+        sampling: SamplingParams,
+    ) -> Completion:
+        try:
+            return await self.engine.generate(
+                prompt_ids, request_id=request_id, session_id=session_id, sampling=sampling
+            )
+        except Exception as e:  # an escaping error would kill the actor: report it per request
+            return Completion(
+                request_id=request_id,
+                token_ids_N=np.zeros(0, np.int32),
+                logprobs_N=np.zeros(0, np.float32),
+                finish_reason=FinishReason.ERROR,
+                error=f"{type(e).__name__}: {e}",
+            )
+
+    @concurrent_endpoint
+    async def load_weights(self, packed: PackedWeights) -> int:
+        """Queue new weights; the engine applies them between steps. Returns the version."""
+        state = {k: v.clone() for k, v in unpack_weights(packed).items()}
+        self.engine.load_weights(state, packed.version)
+        return packed.version
+
+    @concurrent_endpoint
+    async def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    @concurrent_endpoint
+    async def close(self) -> None:
+        await self.engine.close()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None

@@ -1,0 +1,162 @@
+"""Loads a TOML job file into typed sections, applies `--section.key=value` overrides.
+
+Each component owns its config dataclass next to its code; this module only composes
+them. Every user mistake raises ConfigError with one line naming the key and what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli
+
+from torchtitan_rl.controller_config import (
+    CheckpointConfig,
+    JobConfig,
+    ParallelismConfig,
+    ValidationConfig,
+)
+from torchtitan_rl.envs.alphabet_sort import AlphabetSortConfig
+from torchtitan_rl.envs.base import EnvConfig
+from torchtitan_rl.generation.engine import EngineConfig
+from torchtitan_rl.losses.corrections import CorrectionConfig
+from torchtitan_rl.losses.policy_loss import LossConfig
+from torchtitan_rl.models.qwen3 import ModelConfig
+from torchtitan_rl.rollout.advantages import AdvantageConfig
+from torchtitan_rl.rollout.batcher import BatcherConfig
+from torchtitan_rl.rollout.rollouter import RolloutConfig
+from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
+
+
+class ConfigError(ValueError):
+    """A user mistake in the job file or overrides; the message is the one line shown."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    generator: EngineConfig = field(default_factory=EngineConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    alphabet_sort: AlphabetSortConfig = field(default_factory=AlphabetSortConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            check = getattr(section, "validate", None)
+            if check is not None:
+                try:
+                    check()
+                except ValueError as e:
+                    msg = str(e)
+                    raise ConfigError(msg if "." in msg.split(" ")[0] else f"{f.name}: {msg}") from e
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check a TOML value against a field's type; ints are accepted for floats."""
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif hint is str:
+        ok = isinstance(value, str)
+    elif origin is tuple:
+        ok = isinstance(value, list | tuple)
+        value = tuple(value) if ok else value
+    elif origin is list:
+        ok = isinstance(value, list | tuple)
+        value = list(value) if ok else value
+    else:
+        ok = True
+    if not ok:
+        name = getattr(hint, "__name__", str(hint))
+        raise ConfigError(f"{key}: expected {name}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _apply(config: Config, table: dict[str, Any], source: str) -> None:
+    sections = {f.name for f in dataclasses.fields(config)}
+    for name, values in table.items():
+        if name not in sections:
+            raise ConfigError(f"{source}: unknown section [{name}]; valid: {sorted(sections)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: '{name}' must be a [section] table")
+        section = getattr(config, name)
+        hints = typing.get_type_hints(type(section))
+        valid = [f.name for f in dataclasses.fields(section)]
+        for key, value in values.items():
+            if key not in valid:
+                raise ConfigError(f"{source}: unknown key {name}.{key}; valid keys: {valid}")
+            setattr(section, key, _coerce(f"{name}.{key}", value, hints[key]))
+
+
+def _parse_override(arg: str) -> tuple[str, str, Any]:
+    if not arg.startswith("--") or "=" not in arg or "." not in arg.split("=", 1)[0]:
+        raise ConfigError(f"bad argument {arg!r}: overrides look like --section.key=value")
+    dotted, raw = arg[2:].split("=", 1)
+    section, key = dotted.split(".", 1)
+    try:
+        value = tomli.loads(f"v = {raw}")["v"]
+    except tomli.TOMLDecodeError:
+        value = raw  # bare strings need no quotes on the command line
+    return section, key, value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Defaults <- TOML file <- overrides, then validate every section."""
+    config = Config()
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            table = tomli.loads(path.read_text())
+        except tomli.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: TOML syntax error: {e}") from e
+        _apply(config, table, str(path))
+    for arg in overrides:
+        section, key, value = _parse_override(arg)
+        _apply(config, {section: {key: value}}, "override")
+    config.validate()
+    return config
+
+
+def to_toml(config: Config) -> str:
+    """The resolved config as TOML text (what the run saves as config.toml)."""
+    lines = []
+    for f in dataclasses.fields(config):
+        lines.append(f"[{f.name}]")
+        section = getattr(config, f.name)
+        for sf in dataclasses.fields(section):
+            lines.append(f"{sf.name} = {_toml_value(getattr(section, sf.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'

@@ -1,0 +1,232 @@
+"""The step loop: spawn trainer and generator meshes, then rollout -> train -> sync, in order.
+
+No tensor math here; every number comes from the actors or the rollout records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from monarch.actor import this_host
+from monarch.spmd import setup_torch_elastic_env_async
+
+from torchtitan_rl.actors.generator import GeneratorActor
+from torchtitan_rl.actors.trainer import TrainerActor
+from torchtitan_rl.config import Config, to_toml
+from torchtitan_rl.envs import build_environment
+from torchtitan_rl.metrics import MetricsLogger
+from torchtitan_rl.models.renderer import Renderer
+from torchtitan_rl.models.tokenizer import Tokenizer
+from torchtitan_rl.rollout.advantages import compute_advantages
+from torchtitan_rl.rollout.batcher import pack_batch
+from torchtitan_rl.rollout.episodes import rollout_to_episodes
+from torchtitan_rl.rollout.rollouter import Rollouter
+from torchtitan_rl.step_metrics import rollout_metrics, validation_metrics
+from torchtitan_rl.types import Episode, RolloutGroup, SamplingParams
+from torchtitan_rl.warm_start import demonstration_episodes
+
+logger = logging.getLogger(__name__)
+
+
+class ActorGenerateFn:
+    """GenerateFn over a generator actor; None when the actor cannot be reached."""
+
+    def __init__(self, generator):
+        self.generator = generator
+
+    async def __call__(self, prompt_ids, *, request_id, session_id=None, sampling=None):
+        sampling = sampling or SamplingParams()
+        try:
+            return await self.generator.generate.call_one(
+                prompt_ids, request_id, session_id, sampling
+            )
+        except Exception as e:  # the actor is gone: the rollout becomes a generator error
+            logger.warning("generate %s failed: %s", request_id, e)
+            return None
+
+
+class Controller:
+    def __init__(self, config: Config, *, use_tqdm: bool = True):
+        self.config = config
+        self.run_dir = Path(config.job.output_dir) / config.job.run_name
+        self.tokenizer = Tokenizer.from_file(config.model.hf_checkpoint or None)
+        self.renderer = Renderer(self.tokenizer)
+        self.environment = build_environment(config.env, config.job.seed, config.alphabet_sort)
+        self.rollouter = Rollouter(
+            self.environment, self.renderer, config.env, config.rollout, config.job.seed
+        )
+        self.use_tqdm = use_tqdm
+        self.meshes = []
+        self.next_sample = 0
+        self.last_validation = float("nan")
+
+    # ---- processes --------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        self.metrics = MetricsLogger(self.run_dir)
+        gpu = cfg.parallelism.device == "cuda"
+        kind = "gpus" if gpu else "procs"
+        trainer_procs = this_host().spawn_procs(per_host={kind: cfg.parallelism.trainer_procs})
+        generator_procs = this_host().spawn_procs(per_host={kind: 1})
+        self.meshes = [trainer_procs, generator_procs]
+        await setup_torch_elastic_env_async(trainer_procs)
+        vocab = self.tokenizer.vocab_size
+        self.trainer = trainer_procs.spawn(
+            "trainer",
+            TrainerActor,
+            cfg.model,
+            cfg.training,
+            cfg.loss,
+            cfg.correction,
+            vocab,
+            cfg.parallelism.device,
+            cfg.job.seed,
+        )
+        self.generator = generator_procs.spawn(
+            "generator", GeneratorActor, cfg.model, cfg.generator, vocab, cfg.parallelism.device
+        )
+        self.generate_fn = ActorGenerateFn(self.generator)
+        await self.sync_weights()
+
+    async def sync_weights(self) -> float:
+        """Trainer publishes its weights (one packed buffer); the generator loads them."""
+        t0 = time.perf_counter()
+        packed = [p for p in (await self.trainer.publish_weights.call()).values() if p]
+        await self.generator.load_weights.call_one(packed[0])
+        return time.perf_counter() - t0
+
+    async def close(self) -> None:
+        if hasattr(self, "generator"):
+            try:
+                await asyncio.wait_for(self.generator.close.call_one(), timeout=10)
+            except Exception as e:
+                logger.warning("generator close: %s", e)
+        for mesh in self.meshes:
+            try:
+                await asyncio.wait_for(mesh.stop(), timeout=10)
+            except Exception as e:
+                logger.warning("stopping a proc mesh: %s", e)
+        if hasattr(self, "metrics"):
+            self.metrics.close()
+
+    # ---- stages -----------------------------------------------------------------------
+    def _pack(self, episodes: list[Episode]):
+        return pack_batch(
+            episodes,
+            config=self.config.batcher,
+            num_ranks=self.config.parallelism.trainer_procs,
+            pad_id=self.tokenizer.pad_id,
+        )
+
+    async def warm_start(self) -> None:
+        ws = self.config.warm_start
+        for step in range(1, ws.steps + 1):
+            first = (step - 1) * ws.batch_size
+            samples = [self.environment.train_sample(-1 - first - i) for i in range(ws.batch_size)]
+            episodes = demonstration_episodes(self.environment, self.renderer, samples)
+            batches, _ = self._pack(episodes)
+            out = await self.trainer.sft_step.call(batches, ws)
+            metrics = next(iter(out.values()))
+            if step % 10 == 0 or step == ws.steps:
+                self.metrics.log(metrics, step - ws.steps)  # warm start logs at steps <= 0
+        await self.trainer.end_warm_start.call()
+        if ws.steps:
+            await self.sync_weights()
+
+    async def validate(self, step: int) -> float:
+        cfg = self.config
+        samples = self.environment.validation_samples(cfg.validation.num_samples)
+        greedy = SamplingParams(
+            temperature=0.0,
+            max_tokens=cfg.validation.max_tokens,
+            stop_token_ids=tuple(self.renderer.stop_token_ids),
+        )
+        rollouts = await asyncio.gather(
+            *(
+                self.rollouter.run_single_rollout(
+                    s, self.generate_fn, group_id=i, rollout_id=0, sampling=greedy, step=-1
+                )
+                for i, s in enumerate(samples)
+            )
+        )
+        metrics = validation_metrics(rollouts)
+        self.metrics.log(metrics, step)
+        self.last_validation = metrics.get("validation_reward/mean", float("nan"))
+        return self.last_validation
+
+    async def rl_step(self, step: int) -> dict[str, float]:
+        cfg = self.config
+        t0 = time.perf_counter()
+        groups, self.next_sample, rollout_stats = await self.rollouter.collect_batch(
+            step, self.next_sample, self.generate_fn
+        )
+        t_gen = time.perf_counter()
+        episodes = self._episodes(groups)
+        batches, batch_metrics = self._pack(episodes)
+        metrics = {**rollout_stats, **batch_metrics, **rollout_metrics(groups)}
+        if any(mb.num_global_loss_tokens for mb in batches[0]):
+            out = await self.trainer.train_step.call(batches, cfg.rollout.temperature)
+            metrics.update(next(iter(out.values())))
+        else:
+            logger.warning("step %d: nothing to train on (no group had reward spread)", step)
+        t_train = time.perf_counter()
+        metrics["perf/sync_seconds"] = await self.sync_weights()
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(e) for e in episodes)
+        generated = sum(t.completion.num_tokens for g in groups for r in g.rollouts for t in r.turns)
+        metrics.update(
+            {
+                "perf/step_seconds": seconds,
+                "perf/generate_seconds": t_gen - t0,
+                "perf/train_seconds": t_train - t_gen,
+                "perf/tokens_per_second": tokens / seconds,
+                "perf/generated_tokens_per_second": generated / max(t_gen - t0, 1e-9),
+            }
+        )
+        self.metrics.log(metrics, step)
+        return metrics
+
+    def _episodes(self, groups: list[RolloutGroup]) -> list[Episode]:
+        episodes = []
+        for group in groups:
+            compute_advantages(group, normalize_std=self.config.advantage.normalize_std)
+            for rollout in group.rollouts:
+                episodes.extend(rollout_to_episodes(rollout))
+        return episodes
+
+    # ---- the run ----------------------------------------------------------------------
+    async def run(self) -> dict[str, float]:
+        cfg = self.config
+        t_start = time.perf_counter()
+        await self.start()
+        await self.warm_start()
+        if cfg.validation.interval:
+            await self.validate(0)
+        bar = _progress(cfg.training.steps, self.use_tqdm)
+        for step in range(1, cfg.training.steps + 1):
+            m = await self.rl_step(step)
+            if cfg.validation.interval and (
+                step % cfg.validation.interval == 0 or step == cfg.training.steps
+            ):
+                await self.validate(step)
+            bar.update(1)
+            bar.set_postfix(
+                reward=f"{m.get('rollout_reward/mean', float('nan')):.3f}",
+                val=f"{self.last_validation:.3f}",
+                loss=f"{m.get('loss/mean', float('nan')):.4f}",
+                tok_s=f"{m['perf/tokens_per_second']:.0f}",
+            )
+        bar.close()
+        return {"wall_seconds": time.perf_counter() - t_start}
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="rl", unit="step", disable=not enabled, dynamic_ncols=True)
+

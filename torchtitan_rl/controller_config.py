@@ -1,0 +1,79 @@
+"""Config sections owned by the controller: job, parallelism, validation, checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    """TOML section [job]."""
+
+    output_dir: str = "outputs"
+    """Folder that holds one sub-folder per run."""
+    run_name: str = "alphabet_sort_tiny"
+    """Run folder name: logs land in <output_dir>/<run_name>/ (tb/, config.toml, ...)."""
+    seed: int = 0
+    """Seeds model init, prompt order and every request's sampling."""
+
+    def validate(self) -> None:
+        if not self.run_name or "/" in self.run_name:
+            raise ValueError(f"job.run_name must be a non-empty folder name, got {self.run_name!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelismConfig:
+    """TOML section [parallelism]: how many processes, and on what."""
+
+    trainer_procs: int = 2
+    """Trainer processes (FSDP data-parallel ranks): one per GPU, or CPU processes."""
+    generator_procs: int = 1
+    """Generator processes (one engine each; only 1 is supported for now)."""
+    device: str = "auto"
+    """"auto" (CUDA when present, else CPU), "cpu" or "cuda"."""
+
+    def validate(self) -> None:
+        if self.trainer_procs < 1:
+            raise ValueError(f"parallelism.trainer_procs must be >= 1, got {self.trainer_procs}")
+        if self.generator_procs != 1:
+            raise ValueError(
+                f"parallelism.generator_procs: only 1 is supported, got {self.generator_procs}"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(
+                f"parallelism.device must be one of auto, cpu, cuda; got {self.device!r}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class ValidationConfig:
+    """TOML section [validation]: greedy decoding on a fixed held-out prompt set."""
+
+    interval: int = 10
+    """Validate every this many RL steps (and before the first); 0 disables."""
+    num_samples: int = 64
+    """Held-out prompts; the same ones every time."""
+    max_tokens: int = 64
+    """Tokens per turn when validating."""
+
+    def validate(self) -> None:
+        if self.interval < 0:
+            raise ValueError(f"validation.interval must be >= 0, got {self.interval}")
+        if self.num_samples < 1:
+            raise ValueError(f"validation.num_samples must be >= 1, got {self.num_samples}")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """TOML section [checkpoint]."""
+
+    interval: int = 0
+    """Save trainer and controller state every this many RL steps; 0 disables."""
+    keep_latest: int = 2
+    """How many checkpoints to keep."""
+
+    def validate(self) -> None:
+        if self.interval < 0:
+            raise ValueError(f"checkpoint.interval must be >= 0, got {self.interval}")
+        if self.keep_latest < 1:
+            raise ValueError(f"checkpoint.keep_latest must be >= 1, got {self.keep_latest}")

@@ -1,0 +1,216 @@
+"""torchtitan's Qwen3, set up for RL training and generation.
+
+One model definition serves both sides: the trainer runs `PolicyModel.forward` (packed
+documents, log-probs of loss tokens only), the generator's engine runs the same modules
+with a KV cache. Legend: B batch rows, S sequence length, N loss tokens, D model dim.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torchtitan.models.attention import FlexAttentionWrapper
+from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs, qwen3_args
+from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+
+from torchtitan_rl.losses.logprobs import token_logprobs
+
+TINY_ARGS = dict(
+    dim=192,
+    n_layers=4,
+    n_heads=6,
+    n_kv_heads=2,
+    head_dim=32,
+    hidden_dim=512,
+    qk_norm=True,
+    rope_theta=10000.0,
+    enable_weight_tying=False,
+)
+"""The built-in ~2M-parameter model: learns AlphabetSort on a laptop CPU in minutes."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """TOML section [model]."""
+
+    flavor: str = "tiny"
+    """Random-init shape when hf_checkpoint is empty: "tiny" or a torchtitan Qwen3 flavor
+    ("0.6B", "1.7B", "4B", "8B", "14B", "32B")."""
+    hf_checkpoint: str = ""
+    """Local Hugging Face Qwen3 folder (config.json, tokenizer.json, *.safetensors); empty =
+    the built-in tiny model and tokenizer."""
+    max_seq_len: int = 1024
+    """Longest sequence (prompt + completions) the model is set up for, in tokens."""
+
+    def validate(self) -> None:
+        valid = ["tiny", *[k for k in qwen3_args if "moe" not in k and "A" not in k]]
+        if self.flavor not in valid:
+            raise ValueError(f"model.flavor: unknown flavor {self.flavor!r}; valid: {valid}")
+        if self.hf_checkpoint:
+            folder = Path(self.hf_checkpoint)
+            if not (folder / "config.json").is_file():
+                raise ValueError(
+                    f"model.hf_checkpoint: {self.hf_checkpoint!r} is not a folder with config.json"
+                )
+            if not list(folder.glob("*.safetensors")):
+                raise ValueError(f"model.hf_checkpoint: no *.safetensors in {self.hf_checkpoint!r}")
+        if self.max_seq_len < 16:
+            raise ValueError(f"model.max_seq_len must be >= 16, got {self.max_seq_len}")
+
+
+def model_args(config: ModelConfig, vocab_size: int) -> Qwen3ModelArgs:
+    """Qwen3ModelArgs for the config; attention is flex-style (document masks) everywhere."""
+    if config.hf_checkpoint:
+        hf = json.loads((Path(config.hf_checkpoint) / "config.json").read_text())
+        args = Qwen3ModelArgs(
+            dim=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+            head_dim=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
+            hidden_dim=hf["intermediate_size"],
+            vocab_size=hf["vocab_size"],
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=hf.get("rope_theta", 1e6),
+            enable_weight_tying=hf.get("tie_word_embeddings", False),
+        )
+    elif config.flavor == "tiny":
+        args = Qwen3ModelArgs(vocab_size=vocab_size, **TINY_ARGS)
+    else:
+        base = qwen3_args[config.flavor]
+        args = Qwen3ModelArgs(**{**base.__dict__, "vocab_size": vocab_size})
+    args.max_seq_len = config.max_seq_len
+    args.attn_type = "flex"
+    args.attn_mask_type = "block_causal"
+    return args
+
+
+class DocumentMask(BlockMask):
+    """A dense causal document mask [B, 1, S, S] dressed as a BlockMask.
+
+    torchtitan's attention accepts only a BlockMask on its flex path, and FlexAttention has
+    no CPU backward; on CPU we carry the dense mask through that path and run SDPA with it.
+    """
+
+    def __init__(self, dense_B1SS: torch.Tensor):  # noqa: D107 - BlockMask.__init__ skipped on purpose
+        self.dense_B1SS = dense_B1SS
+
+    def __repr__(self) -> str:
+        return f"DocumentMask(shape={tuple(self.dense_B1SS.shape)})"
+
+
+class DenseMaskAttention(nn.Module):
+    """SDPA with an explicit boolean mask; the CPU stand-in for FlexAttentionWrapper."""
+
+    def forward(self, q, k, v, *, block_mask: DocumentMask, scale=None, enable_gqa=False):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=block_mask.dense_B1SS, scale=scale, enable_gqa=enable_gqa
+        )
+
+
+def document_attention_mask(document_ids_BS: torch.Tensor) -> BlockMask:
+    """Causal attention within each document; padding (-1) attends only to padding."""
+    if document_ids_BS.device.type == "cpu":
+        same_doc = document_ids_BS[:, :, None] == document_ids_BS[:, None, :]
+        causal = torch.ones_like(same_doc[0]).tril_()
+        return DocumentMask((same_doc & causal)[:, None])
+    docs = document_ids_BS
+
+    def mask_mod(b, h, q, kv):
+        return (q >= kv) & (docs[b, q] == docs[b, kv])
+
+    B, S = docs.shape
+    return create_block_mask(mask_mod, B, None, S, S, device=docs.device)
+
+
+class LogProbHead(nn.Linear):
+    """The LM head; its forward returns log-probs (and entropy) of targets, never full logits.
+
+    Same parameter name and shape as torchtitan's `output` Linear, so checkpoints and the
+    Hugging Face adapter see an ordinary LM head.
+    """
+
+    def forward(self, hidden_ND, targets_N=None, temperature: float = 1.0, support=None):
+        if targets_N is None:  # plain logits, for small diagnostics only
+            return F.linear(hidden_ND, self.weight)
+        return token_logprobs(
+            hidden_ND, self.weight, targets_N, temperature=temperature, support=support
+        )
+
+
+class PolicyModel(Qwen3Model):
+    """Qwen3 whose forward gathers hidden states at loss positions before the LM head."""
+
+    def __init__(self, args: Qwen3ModelArgs):
+        super().__init__(args)
+        self.output = LogProbHead(args.dim, args.vocab_size, bias=False)
+        if args.enable_weight_tying:
+            self.output.weight = self.tok_embeddings.weight
+
+    def use_dense_attention(self) -> None:
+        """Swap flex attention for masked SDPA (CPU: flex has no backward there)."""
+        for layer in self.layers.values():
+            layer.attention.inner_attention = DenseMaskAttention()
+
+    def forward(
+        self,
+        tokens_BS: torch.Tensor,
+        positions_BS: torch.Tensor,
+        document_ids_BS: torch.Tensor,
+        loss_index_N: torch.Tensor,
+        targets_N: torch.Tensor,
+        temperature: float = 1.0,
+        support: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns fp32 (logprobs_N, entropy_N) of targets at flat positions loss_index_N."""
+        masks = document_attention_mask(document_ids_BS)
+        h = self.tok_embeddings(tokens_BS)
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cache, masks, positions_BS)
+        h = self.norm(h)
+        hidden_ND = h.flatten(0, 1).index_select(0, loss_index_N)
+        return self.output(hidden_ND, targets_N, temperature, support)
+
+
+def build_model(config: ModelConfig, vocab_size: int, device: torch.device) -> PolicyModel:
+    """A PolicyModel on `device` with initialised (or Hugging Face) weights, fp32."""
+    args = model_args(config, vocab_size)
+    with torch.device("meta"):
+        model = PolicyModel(args)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    if config.hf_checkpoint:
+        load_hf_weights(model, config.hf_checkpoint)
+    if device.type == "cpu":
+        model.use_dense_attention()
+    else:
+        for layer in model.layers.values():
+            layer.attention.inner_attention = FlexAttentionWrapper()
+    return model
+
+
+def load_hf_weights(model: PolicyModel, folder: str) -> None:
+    """Load *.safetensors from a Hugging Face Qwen3 folder, naming any mismatched tensor."""
+    from safetensors.torch import load_file
+
+    hf_state = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        hf_state.update(load_file(str(path)))
+    state = Qwen3StateDictAdapter(model.model_args, None).from_hf(hf_state)
+    own = model.state_dict()
+    for name, tensor in own.items():
+        if name not in state:
+            raise ValueError(f"model.hf_checkpoint: tensor {name!r} missing in {folder}")
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"model.hf_checkpoint: tensor {name!r} has shape {tuple(state[name].shape)} "
+                f"in {folder}, the model expects {tuple(tensor.shape)}"
+            )
+    model.load_state_dict({k: state[k] for k in own}, strict=True)

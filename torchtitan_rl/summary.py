@@ -1,0 +1,36 @@
+"""The one-screen summary printed at the end of a run."""
+
+from __future__ import annotations
+
+from torchtitan_rl.metrics import first_last_mean
+
+
+def summary_lines(controller, wall_seconds: float) -> list[str]:
+    m = controller.metrics
+    reward = m.series("rollout_reward/mean")
+    first, last = first_last_mean(reward)
+    val = m.series("validation_reward/mean")
+    lines = [
+        "=" * 64,
+        f"run      {controller.run_dir}",
+        f"steps    {len(reward)} RL steps, wall time {wall_seconds:.0f} s",
+        f"reward   rollout_reward/mean first 5 steps {first:.3f} -> last 5 steps {last:.3f}",
+    ]
+    if val:
+        lines.append(
+            f"validate validation_reward/mean {val[0]:.3f} (before RL) -> {val[-1]:.3f} (end)"
+            f"  [{len(val)} evaluations]"
+        )
+    step_s = m.series("perf/step_seconds")
+    if step_s:
+        lines.append(f"speed    {sum(step_s) / len(step_s):.2f} s/step on average")
+    lines += [
+        f"logs     tensorboard --logdir {m.tb_dir}",
+        f"config   {controller.run_dir / 'config.toml'}",
+        "=" * 64,
+    ]
+    return lines
+
+
+def print_summary(controller, wall_seconds: float) -> None:
+    print("\n".join(summary_lines(controller, wall_seconds)))

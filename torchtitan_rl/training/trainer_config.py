@@ -1,0 +1,53 @@
+"""Config sections owned by the trainer: optimisation and the supervised warm start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    """TOML section [training]."""
+
+    steps: int = 100
+    """RL steps (one rollout batch and one optimizer step each)."""
+    lr: float = 3e-4
+    """AdamW learning rate after warmup."""
+    warmup_steps: int = 0
+    """Linear learning-rate warmup, in optimizer steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables."""
+    dtype: str = "float32"
+    """Parameter dtype for forward/backward: "float32" or "bfloat16" (GPU)."""
+
+    def validate(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"training.steps must be >= 0, got {self.steps}")
+        if self.lr <= 0:
+            raise ValueError(f"training.lr must be > 0, got {self.lr}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"training.dtype must be float32 or bfloat16, got {self.dtype!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class WarmStartConfig:
+    """TOML section [warm_start]: supervised steps on env demonstrations before RL.
+
+    A random-init model earns no reward, so RL alone has no signal; a short warm start on
+    gold answers gives it one. Gains are counted from the first RL step.
+    """
+
+    steps: int = 0
+    """Supervised steps; 0 skips the warm start."""
+    batch_size: int = 32
+    """Demonstrations per step."""
+    lr: float = 2e-3
+    """Learning rate of the warm start (its own AdamW state, dropped before RL)."""
+
+    def validate(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"warm_start.steps must be >= 0, got {self.steps}")
+        if self.batch_size < 1:
+            raise ValueError(f"warm_start.batch_size must be >= 1, got {self.batch_size}")
