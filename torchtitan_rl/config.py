@@ -20,6 +20,7 @@ from torchtitan_rl.controller_config import (
     ParallelismConfig,
     ValidationConfig,
 )
+from torchtitan_rl.envs import ENVS
 from torchtitan_rl.envs.alphabet_sort import AlphabetSortConfig
 from torchtitan_rl.envs.base import EnvConfig
 from torchtitan_rl.generation.engine import EngineConfig
@@ -55,6 +56,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> None:
+        if self.env.name not in ENVS:
+            raise ConfigError(f"env.name must be one of {sorted(ENVS)}, got {self.env.name!r}")
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             check = getattr(section, "validate", None)

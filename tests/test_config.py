@@ -1,0 +1,87 @@
+"""Config loading: TOML + overrides into typed sections; mistakes are one clear line."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtitan_rl.config import ConfigError, load_config, to_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "train_configs" / "alphabet_sort_tiny.toml"
+
+
+def test_default_config_has_the_documented_keys():
+    c = load_config(TINY)
+    assert c.job.output_dir and c.job.run_name and isinstance(c.job.seed, int)
+    assert c.training.steps > 0
+    assert c.checkpoint.interval >= 0
+    assert c.model.hf_checkpoint == ""
+    assert c.env.name == "alphabet_sort" and c.env.max_turns >= 1
+
+
+def test_overrides_are_typed_and_win_over_the_file():
+    c = load_config(TINY, ["--env.max_turns=3", "--training.lr=0.01", "--job.run_name=abc"])
+    assert c.env.max_turns == 3 and c.training.lr == 0.01 and c.job.run_name == "abc"
+
+
+def test_int_is_accepted_for_a_float_field():
+    assert load_config(TINY, ["--training.lr=1"]).training.lr == 1.0
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("--training.stepz=3", "training.stepz"),
+        ("--nosection.key=1", "[nosection]"),
+        ("--training.steps=many", "training.steps"),
+        ("--training.steps=1.5", "training.steps"),
+        ("--loss.name=ppo2", "loss.name"),
+        ("--env.name=chess", "env.name"),
+        ("--model.hf_checkpoint=/does/not/exist", "model.hf_checkpoint"),
+        ("training.steps=3", "--section.key=value"),
+    ],
+)
+def test_user_mistakes_name_the_key(override, needle):
+    with pytest.raises(ConfigError, match=None) as e:
+        load_config(TINY, [override])
+    assert needle in str(e.value)
+
+
+def test_toml_syntax_error_names_the_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[job\nseed = 1\n")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load_config(bad)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    c = load_config(TINY, ["--env.max_turns=3"])
+    saved = tmp_path / "config.toml"
+    saved.write_text(to_toml(c))
+    assert load_config(saved) == c
+
+
+@pytest.mark.parametrize(
+    "args, env, needle",
+    [
+        (["--training.stepz=3"], {}, "training.stepz"),
+        ([], {"CONFIG_FILE": "missing.toml"}, "missing.toml"),
+        (["--model.hf_checkpoint=/nope"], {}, "model.hf_checkpoint"),
+    ],
+)
+def test_cli_bad_input_is_one_line_no_traceback(args, env, needle):
+    run = subprocess.run(
+        [sys.executable, "-m", "torchtitan_rl.train", *args],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0]

@@ -1,0 +1,128 @@
+"""What an RL environment provides: datasets, per-rollout chat envs and a reward rubric.
+
+A user writes two classes. `MessageEnv` plays one rollout as a chat: `init` returns the
+opening messages, `step` takes the assistant's text and returns the env's reply. An
+`Environment` (one per env name) makes the samples those envs are played on, the envs
+themselves, the `Rubric` that turns a finished `Rollout` into a reward, and gold
+conversations for the supervised warm start.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchtitan_rl.types import Message, Rollout
+
+
+@dataclass(kw_only=True, slots=True)
+class EnvConfig:
+    """The `[env]` section: which environment and the limits of one rollout."""
+
+    name: str = "alphabet_sort"
+    """Environment name, a key of `torchtitan_rl.envs.ENVS`."""
+    max_turns: int = 1
+    """Assistant turns per rollout, >= 1."""
+    max_rollout_tokens: int = 512
+    """Token budget of one rollout: the first prompt plus every completion and env reply, >= 1."""
+    step_timeout_s: float = 30.0
+    """Seconds one `MessageEnv.init` or `step` call may take before the rollout errors, > 0."""
+
+    def validate(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
+        if self.max_rollout_tokens < 1:
+            raise ValueError(f"env.max_rollout_tokens must be >= 1, got {self.max_rollout_tokens}")
+        if not (self.step_timeout_s > 0 and math.isfinite(self.step_timeout_s)):
+            raise ValueError(
+                f"env.step_timeout_s must be a finite number > 0, got {self.step_timeout_s}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class StepResult:
+    """The env's answer to one assistant message."""
+
+    messages: list[Message]
+    """The env's reply (usually one user message); empty when done."""
+    done: bool
+    """True once the episode is over; `step` is not called again."""
+    reward_signals: dict[str, float] = field(default_factory=dict)
+    """Per-turn signals the rubric may read back, e.g. {"turn_score": 0.8}."""
+
+
+class MessageEnv(ABC):
+    """One rollout's chat partner; a fresh instance per rollout, so it may keep state."""
+
+    @abstractmethod
+    async def init(self) -> list[Message]:
+        """The opening messages (system and/or user) the first prompt is rendered from."""
+
+    @abstractmethod
+    async def step(self, assistant_message: str) -> StepResult:
+        """React to the assistant's text (its stop token already removed)."""
+
+
+RewardFn = Callable[[Rollout], float]
+"""Scores a finished rollout; may read `rollout.sample` and `rollout.turns[i].reward_signals`."""
+
+
+class Rubric:
+    """A weighted sum of named reward functions.
+
+    A raising function propagates: the caller marks the rollout ERROR_REWARD rather than
+    training on a made-up score.
+    """
+
+    def __init__(self, funcs: Sequence[tuple[str, RewardFn, float]]):
+        if not funcs:
+            raise ValueError("Rubric needs at least one (name, fn, weight), got none")
+        names = [name for name, _, _ in funcs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Rubric function names must be unique, got {names}")
+        for name, _, weight in funcs:
+            if not math.isfinite(weight):
+                raise ValueError(f"Rubric weight of {name!r} must be finite, got {weight}")
+        self.funcs = tuple(funcs)
+
+    def score(self, rollout: Rollout) -> tuple[float, dict[str, float]]:
+        """(weighted sum, {name: unweighted value})."""
+        breakdown = {name: float(fn(rollout)) for name, fn, _ in self.funcs}
+        total = sum(weight * breakdown[name] for name, _, weight in self.funcs)
+        return total, breakdown
+
+
+class Environment(ABC):
+    """Builds the data, per-rollout envs and rubric of one environment.
+
+    Samples are plain dicts (they travel inside `Rollout.sample`); training and
+    validation samples never coincide.
+    """
+
+    def __init__(self, config: EnvConfig, seed: int):
+        config.validate()
+        self.config = config
+        self.seed = seed
+
+    @abstractmethod
+    def train_sample(self, index: int) -> dict[str, Any]:
+        """Training sample `index`; the same for the same (seed, index)."""
+
+    @abstractmethod
+    def validation_samples(self, n: int) -> list[dict[str, Any]]:
+        """The first `n` of a fixed held-out set: the same list on every call."""
+
+    @abstractmethod
+    def make_env(self, sample: dict[str, Any]) -> MessageEnv:
+        """A fresh env that plays `sample`."""
+
+    @abstractmethod
+    def rubric(self) -> Rubric:
+        """How a finished rollout is scored."""
+
+    @abstractmethod
+    def demonstration(self, sample: dict[str, Any]) -> list[Message]:
+        """A gold conversation (every turn, correct assistant answers) for supervised warm start."""
