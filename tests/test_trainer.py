@@ -1,0 +1,129 @@
+"""TrainerCore in one process: steps change weights, bad numbers never reach the weights."""
+
+import numpy as np
+import pytest
+import torch
+
+from torchtitan_rl.losses.corrections import CorrectionConfig
+from torchtitan_rl.losses.policy_loss import LossConfig
+from torchtitan_rl.models.qwen3 import ModelConfig
+from torchtitan_rl.rollout.batcher import BatcherConfig, pack_batch
+from torchtitan_rl.training.trainer import TrainerCore
+from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
+from torchtitan_rl.training.weight_sync import pack_weights, unpack_weights
+from torchtitan_rl.types import Episode
+
+VOCAB = 96
+
+
+def _core(**training):
+    return TrainerCore(
+        model_config=ModelConfig(max_seq_len=64),
+        training=TrainingConfig(lr=1e-2, **training),
+        loss=LossConfig(),
+        correction=CorrectionConfig(),
+        vocab_size=VOCAB,
+        device=torch.device("cpu"),
+        seed=0,
+    )
+
+
+def _episodes(rng, n=6, advantage=1.0, logprob=-3.0):
+    out = []
+    for i in range(n):
+        length = int(rng.integers(6, 20))
+        mask = np.zeros(length, bool)
+        mask[length // 2 :] = True
+        out.append(
+            Episode(
+                token_ids_L=rng.integers(0, VOCAB, length).astype(np.int32),
+                loss_mask_L=mask,
+                logprobs_L=np.where(mask, logprob, 0).astype(np.float32),
+                advantages_L=np.where(mask, advantage * (1 if i % 2 else -1), 0).astype(np.float32),
+                rollout_id=i,
+            )
+        )
+    return out
+
+
+def _batch(episodes):
+    batches, _ = pack_batch(
+        episodes, config=BatcherConfig(seq_len=64, rows_per_microbatch=2), num_ranks=1, pad_id=0
+    )
+    return batches[0]
+
+
+def _weights(core):
+    return {k: v.clone() for k, v in core.full_state_dict().items()}
+
+
+def test_rl_step_changes_weights_and_advances_version():
+    core = _core()
+    before = _weights(core)
+    out = core.train_step(_batch(_episodes(np.random.default_rng(0))), temperature=1.0)
+    after = _weights(core)
+    assert core.policy_version == 1 and out["trainer/policy_version"] == 1
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    for tag in ("loss/mean", "trainer/grad_norm", "trainer/lr", "trainer/logprob_diff/max"):
+        assert np.isfinite(out[tag])
+
+
+def test_nan_generator_logprobs_leave_step_finite():
+    core = _core()
+    episodes = _episodes(np.random.default_rng(1))
+    episodes[0].logprobs_L[episodes[0].loss_mask_L.nonzero()[0][0]] = np.nan
+    episodes[1].logprobs_L[episodes[1].loss_mask_L.nonzero()[0][0]] = -np.inf
+    out = core.train_step(_batch(episodes), temperature=1.0)
+    assert np.isfinite(out["loss/mean"]) and np.isfinite(out["trainer/grad_norm"])
+    assert out["trainer/skipped_steps"] == 0
+    assert all(torch.isfinite(v).all() for v in _weights(core).values())
+
+
+def test_non_finite_gradient_skips_the_step_and_keeps_weights():
+    core = _core()
+    before = _weights(core)
+    # an infinite advantage makes the loss and gradient non-finite
+    episodes = _episodes(np.random.default_rng(2), advantage=float("inf"))
+    out = core.train_step(_batch(episodes), temperature=1.0)
+    assert out["trainer/skipped_steps"] == 1 and core.policy_version == 0
+    after = _weights(core)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_sft_steps_lower_the_loss():
+    core = _core()
+    opt = core.warm_start_optimizer(WarmStartConfig(lr=1e-2))
+    batch = _batch(_episodes(np.random.default_rng(3)))
+    first = core.sft_step(batch, opt)["warm_start/loss"]
+    for _ in range(15):
+        last = core.sft_step(batch, opt)["warm_start/loss"]
+    assert last < first * 0.8
+
+
+def test_trainer_logprobs_match_the_generator_logprobs_it_is_given():
+    """With generator log-probs equal to the trainer's own, the step reports ~0 mismatch."""
+    core = _core()
+    episodes = _episodes(np.random.default_rng(4))
+    batch = _batch(episodes)
+    own = core.logprobs(batch[0])
+    mb = batch[0]
+    flat = mb.logprobs_RS.reshape(-1)
+    flat[np.flatnonzero(mb.loss_mask_RS.reshape(-1))] = own
+    out = core.train_step([mb], temperature=1.0)
+    assert out["trainer/logprob_diff/max"] < 1e-5
+
+
+def test_packed_weights_round_trip():
+    state = {"a": torch.randn(3, 4), "b.c": torch.randn(5)}
+    packed = pack_weights(state, version=7)
+    assert packed.version == 7 and packed.flat_P.numel() == 17
+    back = unpack_weights(packed)
+    assert all(torch.equal(state[k], back[k]) for k in state)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_follow_temperature(temperature):
+    core = _core()
+    mb = _batch(_episodes(np.random.default_rng(5)))[0]
+    lp = core.logprobs(mb, temperature)
+    assert np.all(lp <= 0) and np.all(np.isfinite(lp))
