@@ -86,9 +86,16 @@ class Controller:
             vocab,
             cfg.parallelism.device,
             cfg.job.seed,
+            cfg.parallelism.threads(),
         )
         self.generator = generator_procs.spawn(
-            "generator", GeneratorActor, cfg.model, cfg.generator, vocab, cfg.parallelism.device
+            "generator",
+            GeneratorActor,
+            cfg.model,
+            cfg.generator,
+            vocab,
+            cfg.parallelism.device,
+            cfg.parallelism.threads(),
         )
         self.generate_fn = ActorGenerateFn(self.generator)
         await self.sync_weights()

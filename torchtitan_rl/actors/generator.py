@@ -16,8 +16,15 @@ from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 class GeneratorActor(Actor):
     """Serves many concurrent `generate` calls; they coalesce in the engine's running batch."""
 
-    def __init__(self, model: ModelConfig, engine: EngineConfig, vocab_size: int, device: str):
-        dev = pick_device(device)
+    def __init__(
+        self,
+        model: ModelConfig,
+        engine: EngineConfig,
+        vocab_size: int,
+        device: str,
+        cpu_threads: int = 0,
+    ):
+        dev = pick_device(device, cpu_threads)
         self.engine = Engine(build_model(model, vocab_size, dev), engine, dev)
 
     @concurrent_endpoint

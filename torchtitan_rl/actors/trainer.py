@@ -26,9 +26,10 @@ class TrainerActor(Actor):
         vocab_size: int,
         device: str,
         seed: int,
+        cpu_threads: int = 0,
     ):
         self.rank = current_rank().rank
-        dev = pick_device(device)
+        dev = pick_device(device, cpu_threads)
         init_process_group(dev)
         self.core = TrainerCore(
             model_config=model,

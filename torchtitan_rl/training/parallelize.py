@@ -12,9 +12,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torchtitan_rl.models.qwen3 import PolicyModel
 
 
-def pick_device(kind: str) -> torch.device:
-    """The device for this process: its local GPU under "cuda"/"auto" when present, else CPU."""
+def pick_device(kind: str, cpu_threads: int = 0) -> torch.device:
+    """The device for this process: its local GPU under "cuda"/"auto" when present, else CPU
+    (then torch uses `cpu_threads` threads in this process, when given)."""
     if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+        if cpu_threads:
+            torch.set_num_threads(cpu_threads)
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("parallelism.device: 'cuda' asked for, but no CUDA device is visible")

@@ -1,0 +1,11 @@
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """Tests share 2 cores with Monarch child processes; one thread avoids oversubscription."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,0 +1,175 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from torchtitan_rl.generation.sampling import sample_tokens, sampling_logprobs
+
+# Near a top-p cut the fp32 and fp64 cumulative sums may disagree; such cases are skipped.
+CUT_MARGIN = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    """Tiny-model ops are latency-bound; on a shared 2-core box, 2 OpenMP threads spin-wait
+    against other processes and run ~10x slower than 1."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def reference_distribution(logits, temperature, top_p, top_k):
+    """float64 reference: (probs over the vocab, kept ids ascending, whether a cut was close)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if temperature == 0:
+        p = np.exp(logits - logits.max())
+        return p / p.sum(), np.arange(len(logits)), False
+    z = logits / temperature
+    order = sorted(range(len(z)), key=lambda i: (-z[i], i))
+    if top_k > 0:
+        order = order[:top_k]
+    p = np.exp(z[order] - z[order].max())
+    p /= p.sum()
+    kept, mass, close = [], 0.0, False
+    for idx, prob in zip(order, p):
+        if kept and top_p < 1:
+            close |= abs(mass - top_p) < CUT_MARGIN
+            if mass >= top_p:
+                break
+        kept.append(idx)
+        mass += prob
+    probs = np.zeros(len(z))
+    zk = z[kept]
+    probs[kept] = np.exp(zk - zk.max()) / np.exp(zk - zk.max()).sum()
+    return probs, np.array(sorted(kept)), close
+
+
+def params(n, temperature=1.0, top_p=1.0, top_k=0):
+    return dict(
+        temperature_N=torch.full((n,), float(temperature)),
+        top_p_N=torch.full((n,), float(top_p)),
+        top_k_N=torch.full((n,), int(top_k)),
+    )
+
+
+def gens(*seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+# ids 0..3 shuffled so that "sorted ascending" differs from "most likely first"
+HAND_PROBS = {2: 0.5, 0: 0.3, 3: 0.15, 1: 0.05}
+HAND_LOGITS = torch.tensor([[math.log(HAND_PROBS[i]) for i in range(4)]])
+
+
+@pytest.mark.parametrize(
+    "top_p, top_k, expected",
+    [
+        (1.0, 0, [0, 1, 2, 3]),
+        (0.45, 0, [2]),
+        (0.55, 0, [0, 2]),
+        (0.85, 0, [0, 2, 3]),
+        (1.0, 1, [2]),
+        (1.0, 3, [0, 2, 3]),
+        (0.6, 3, [0, 2]),  # top-3 renormalised: 0.526, 0.316, 0.158 -> nucleus of two
+        (0.01, 3, [2]),
+    ],
+)
+def test_support_on_hand_made_logits(top_p, top_k, expected):
+    out = sample_tokens(
+        HAND_LOGITS,
+        **params(1, 1.0, top_p, top_k),
+        generators=gens(0),
+        return_support=True,
+    )
+    assert out.support[0].dtype == torch.int32
+    assert out.support[0].tolist() == expected
+    assert out.token_ids_N.item() in expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    vocab=st.integers(1, 40),
+    temperature=st.sampled_from([0.0, 0.3, 1.0, 1.7]),
+    top_p=st.sampled_from([1.0, 0.95, 0.7, 0.3, 0.05]),
+    top_k=st.integers(0, 45),
+)
+def test_logprobs_equal_log_of_renormalised_reference(seed, vocab, temperature, top_p, top_k):
+    logits_V = torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    probs, kept, close = reference_distribution(logits_V.numpy(), temperature, top_p, top_k)
+    assume(not close)
+    logprobs_NV, keep_NV = sampling_logprobs(logits_V[None], **params(1, temperature, top_p, top_k))
+    assert keep_NV[0].nonzero().squeeze(1).tolist() == kept.tolist()
+    with np.errstate(divide="ignore"):
+        ref = np.log(probs)
+    np.testing.assert_allclose(logprobs_NV[0].double().numpy(), ref, atol=1e-5, rtol=1e-5)
+
+    out = sample_tokens(
+        logits_V[None], **params(1, temperature, top_p, top_k), generators=gens(seed)
+    )
+    token = out.token_ids_N.item()
+    assert token in kept
+    assert out.logprobs_N.item() == pytest.approx(ref[token], abs=1e-5)
+
+
+def test_greedy_picks_argmax_and_scores_at_temperature_one_ignoring_filters():
+    logits_NV = torch.randn(5, 30, generator=torch.Generator().manual_seed(0))
+    out = sample_tokens(
+        logits_NV,
+        **params(5, temperature=0.0, top_p=0.1, top_k=2),
+        generators=gens(*range(5)),
+        return_support=True,
+    )
+    assert out.token_ids_N.tolist() == logits_NV.argmax(-1).tolist()
+    expected = torch.log_softmax(logits_NV.double(), -1).max(-1).values
+    torch.testing.assert_close(out.logprobs_N.double(), expected, atol=1e-6, rtol=0)
+    assert all(s.tolist() == list(range(30)) for s in out.support)
+
+
+def test_same_seed_gives_same_tokens_whatever_the_batch_composition():
+    logits_V = torch.randn(50, generator=torch.Generator().manual_seed(3))
+    alone_gen, batch_gen = gens(7), gens(7)[0]
+    others = torch.randn(4, 50, generator=torch.Generator().manual_seed(4))
+    for step in range(20):
+        alone = sample_tokens(logits_V[None], **params(1, 0.9, 0.9, 20), generators=alone_gen)
+        # the tracked row moves around inside batches of different sizes and settings
+        pos = step % 4
+        batch_NV = torch.cat([others[:pos], logits_V[None], others[pos:]])
+        generators = gens(*range(100 + step, 104 + step))
+        generators.insert(pos, batch_gen)
+        temps, top_ps, top_ks = [0.0, 0.5, 1.3, 2.0], [1.0, 0.5, 0.99, 0.2], [0, 3, 0, 40]
+        for values, mine in ((temps, 0.9), (top_ps, 0.9), (top_ks, 20)):
+            values.insert(pos, mine)
+        batch = sample_tokens(
+            batch_NV,
+            temperature_N=torch.tensor(temps),
+            top_p_N=torch.tensor(top_ps),
+            top_k_N=torch.tensor(top_ks),
+            generators=generators,
+        )
+        assert batch.token_ids_N[pos].item() == alone.token_ids_N.item()
+        assert batch.logprobs_N[pos].item() == alone.logprobs_N.item()
+
+
+def test_empirical_frequencies_match_probabilities():
+    logits_V = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    temperature, top_k, rows, calls = 0.7, 4, 2000, 10
+    probs, _, _ = reference_distribution(logits_V.numpy(), temperature, 1.0, top_k)
+    generators = gens(*range(rows))
+    counts = np.zeros(6)
+    for _ in range(calls):
+        out = sample_tokens(
+            logits_V.expand(rows, 6), **params(rows, temperature, 1.0, top_k), generators=generators
+        )
+        counts += np.bincount(out.token_ids_N.numpy(), minlength=6)
+    np.testing.assert_allclose(counts / (rows * calls), probs, atol=0.015)
+    assert counts[4] == counts[5] == 0
+
+
+def test_mismatched_row_params_are_rejected():
+    with pytest.raises(ValueError, match="per row"):
+        sample_tokens(torch.zeros(2, 5), **params(2), generators=gens(0))

@@ -1,0 +1,302 @@
+"""GRPO-family policy losses over the loss tokens of one microbatch, chosen by `loss.name`.
+
+Per token t of sequence i, with r_t = exp(logp_t - generator_logp_t) and advantage A_t:
+
+    grpo / dapo / dr_grpo:  -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)
+    gspo:   the same on s_t = sg[s_i] * exp(logp_t - sg[logp_t]), s_i = exp(mean_t log r_t)
+    cispo:  -sg[min(r_t, 1 + clip_high)] * A_t * logp_t
+
+plus `kl_coef * KL_t - entropy_coef * H_t`, all times the off-policy correction weight, then
+aggregated so that summing the per-microbatch losses over microbatches and data-parallel
+ranks gives the loss of the whole step.
+
+Shape suffixes: N = loss tokens of this microbatch, S = sequences of the whole step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+LOG_RATIO_CLAMP = 20.0
+"""Bound on |log-ratio| before exp: exp(20) ~ 5e8 is finite in fp32, exp(89) is not."""
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+KL_ESTIMATORS = ("k1", "k3")
+
+
+@dataclass(kw_only=True, slots=True)
+class LossConfig:
+    """TOML section [loss]."""
+
+    name: str = "grpo"
+    """Policy loss: one of LOSSES (grpo | dapo | dr_grpo | gspo | cispo)."""
+    clip_low: float = 0.2
+    """Lower clip: ratios below 1 - clip_low stop pushing down (grpo family); in [0, 1)."""
+    clip_high: float = 0.2
+    """Upper clip: ratios above 1 + clip_high stop pushing up; DAPO wants more, e.g. 0.28."""
+    aggregation: str = "token_mean"
+    """token_mean | seq_mean_token_mean | seq_mean_token_sum; dapo and dr_grpo fix their own."""
+    dr_grpo_normalizer: float = 1024.0
+    """dr_grpo only: constant per-sequence denominator, in tokens (usually the max length)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss); 0 disables."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference policy; 0 disables."""
+    kl_estimator: str = "k3"
+    """k1: logp - ref | k3: exp(ref - logp) - (ref - logp) - 1 (non-negative, lower variance)."""
+
+    def validate(self) -> None:
+        if self.name not in LOSSES:
+            raise ValueError(f"loss.name must be one of {sorted(LOSSES)}, got {self.name!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"loss.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}"
+            )
+        fixed = LOSSES[self.name].aggregation
+        if fixed is not None and self.aggregation != "token_mean":
+            raise ValueError(
+                f"loss.aggregation={self.aggregation!r} has no effect with loss.name="
+                f"{self.name!r}, which always aggregates as {fixed!r}; leave it at 'token_mean'"
+            )
+        if not 0 <= self.clip_low < 1:
+            raise ValueError(f"loss.clip_low must be in [0, 1), got {self.clip_low}")
+        if self.clip_high < 0:
+            raise ValueError(f"loss.clip_high must be >= 0, got {self.clip_high}")
+        if self.name == "dapo" and self.clip_high <= self.clip_low:
+            raise ValueError(
+                f"loss.clip_high must exceed loss.clip_low for dapo (e.g. 0.28 vs 0.2), "
+                f"got {self.clip_high} <= {self.clip_low}"
+            )
+        if self.dr_grpo_normalizer <= 0:
+            raise ValueError(f"loss.dr_grpo_normalizer must be > 0, got {self.dr_grpo_normalizer}")
+        if self.entropy_coef < 0 or self.kl_coef < 0:
+            raise ValueError(
+                f"loss.entropy_coef and loss.kl_coef must be >= 0, got "
+                f"{self.entropy_coef} and {self.kl_coef}"
+            )
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class _Tokens:
+    """Sanitised per-token inputs: every field is finite, 0 where `valid_N` is False."""
+
+    logprobs_N: Tensor
+    log_ratio_N: Tensor  # clamped to +-LOG_RATIO_CLAMP
+    advantages_N: Tensor
+    sequence_ids_N: Tensor
+    valid_N: Tensor  # bool
+    count_S: Tensor  # valid tokens of each sequence in this microbatch
+
+
+Surrogate = Callable[[_Tokens, LossConfig], tuple[Tensor, Tensor, Tensor]]
+"""(tokens, config) -> (loss_N, ratio_N, clipped_N): per-token loss, ratio, clip indicator."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyLoss:
+    surrogate: Surrogate
+    aggregation: str | None
+    """Aggregation this loss always uses; None follows loss.aggregation."""
+
+
+def _clipped(ratio_N: Tensor, advantages_N: Tensor, config: LossConfig) -> tuple[Tensor, Tensor]:
+    low, high = 1.0 - config.clip_low, 1.0 + config.clip_high
+    surrogate_N = torch.minimum(ratio_N * advantages_N, ratio_N.clamp(low, high) * advantages_N)
+    clipped_N = ((advantages_N > 0) & (ratio_N > high)) | ((advantages_N < 0) & (ratio_N < low))
+    return -surrogate_N, clipped_N
+
+
+def _ppo_clip(tokens: _Tokens, config: LossConfig) -> tuple[Tensor, Tensor, Tensor]:
+    ratio_N = torch.exp(tokens.log_ratio_N)
+    loss_N, clipped_N = _clipped(ratio_N, tokens.advantages_N, config)
+    return loss_N, ratio_N.detach(), clipped_N
+
+
+def _gspo(tokens: _Tokens, config: LossConfig) -> tuple[Tensor, Tensor, Tensor]:
+    seq_N = tokens.sequence_ids_N
+    sum_S = torch.zeros_like(tokens.count_S).index_add(0, seq_N, tokens.log_ratio_N.detach())
+    mean_log_ratio_S = sum_S / tokens.count_S.clamp(min=1)
+    logprobs_N = tokens.logprobs_N
+    # Value s_i for every token of sequence i; gradient s_i * d logp_t (GSPO's token form).
+    ratio_N = torch.exp(mean_log_ratio_S[seq_N] + logprobs_N - logprobs_N.detach())
+    loss_N, clipped_N = _clipped(ratio_N, tokens.advantages_N, config)
+    return loss_N, ratio_N.detach(), clipped_N
+
+
+def _cispo(tokens: _Tokens, config: LossConfig) -> tuple[Tensor, Tensor, Tensor]:
+    ratio_N = torch.exp(tokens.log_ratio_N.detach())
+    weight_N = ratio_N.clamp(max=1.0 + config.clip_high)
+    loss_N = -weight_N * tokens.advantages_N * tokens.logprobs_N
+    return loss_N, ratio_N, ratio_N > 1.0 + config.clip_high
+
+
+LOSSES: dict[str, PolicyLoss] = {
+    "grpo": PolicyLoss(surrogate=_ppo_clip, aggregation=None),
+    "dapo": PolicyLoss(surrogate=_ppo_clip, aggregation="token_mean"),
+    "dr_grpo": PolicyLoss(surrogate=_ppo_clip, aggregation="dr_grpo"),
+    "gspo": PolicyLoss(surrogate=_gspo, aggregation=None),
+    "cispo": PolicyLoss(surrogate=_cispo, aggregation=None),
+}
+
+
+def policy_loss(
+    logprobs_N: Tensor,
+    generator_logprobs_N: Tensor,
+    advantages_N: Tensor,
+    sequence_ids_N: Tensor,
+    *,
+    config: LossConfig,
+    num_global_tokens: int,
+    num_global_sequences: int,
+    entropy_N: Tensor | None = None,
+    ref_logprobs_N: Tensor | None = None,
+    correction_weights_N: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Loss of this microbatch's share of the step, and detached scalar metrics.
+
+    Tokens whose trainer or generator log-prob is not finite leave the loss: `num_global_tokens`
+    should count the step's loss tokens with a finite generator log-prob (the batcher knows
+    those up front); per-sequence counts are taken here, from the finite tokens. Each sequence
+    must lie within one microbatch; `sequence_ids_N` runs over 0..num_global_sequences-1.
+    `correction_weights_N` multiplies the whole per-token loss (policy, KL and entropy terms).
+    Example: two sequences, tokens [a0 a1 a2 | b0], sequence_ids_N = [0, 0, 0, 1].
+    """
+    if num_global_tokens < 1 or num_global_sequences < 1:
+        raise ValueError(
+            f"num_global_tokens and num_global_sequences must be >= 1, got "
+            f"{num_global_tokens} and {num_global_sequences}"
+        )
+    spec = LOSSES[config.name]
+    generator_finite_N = torch.isfinite(generator_logprobs_N)
+    valid_N = generator_finite_N & torch.isfinite(logprobs_N)
+    # torch.where before any arithmetic: a NaN that is multiplied by 0 still poisons gradients.
+    tokens = _sanitise(
+        logprobs_N, generator_logprobs_N, advantages_N, sequence_ids_N, valid_N,
+        num_global_sequences,
+    )  # fmt: skip
+    per_token_N, ratio_N, clipped_N = spec.surrogate(tokens, config)
+    weights_N = None
+    if correction_weights_N is not None:
+        weights_N = _masked(correction_weights_N.detach(), valid_N)
+    policy_N = _weighted(torch.where(valid_N, per_token_N, 0.0), weights_N)
+    total_N = policy_N
+    kl_N = None
+    if ref_logprobs_N is not None:
+        kl_N = _kl(tokens, _masked(ref_logprobs_N, valid_N), config.kl_estimator)
+        total_N = total_N + config.kl_coef * _weighted(kl_N, weights_N)
+    if entropy_N is not None:
+        entropy_N = _masked(entropy_N, valid_N)
+        total_N = total_N - config.entropy_coef * _weighted(entropy_N, weights_N)
+
+    def aggregate(values_N: Tensor) -> Tensor:
+        return _aggregate(
+            values_N, tokens, spec.aggregation or config.aggregation, config,
+            num_global_tokens, num_global_sequences,
+        )  # fmt: skip
+
+    metrics = _metrics(
+        valid_N, generator_finite_N, ratio_N, clipped_N, entropy_N, kl_N,
+        policy=aggregate(policy_N).detach(),
+    )  # fmt: skip
+    return aggregate(total_N), metrics
+
+
+def _metrics(
+    valid_N: Tensor,
+    generator_finite_N: Tensor,
+    ratio_N: Tensor,
+    clipped_N: Tensor,
+    entropy_N: Tensor | None,
+    kl_N: Tensor | None,
+    *,
+    policy: Tensor,
+) -> dict[str, Tensor]:
+    """Detached scalars: means over this microbatch's valid tokens (0 when there are none)."""
+    num_valid = valid_N.sum().to(ratio_N.dtype)
+    denom = num_valid.clamp(min=1)
+
+    def valid_mean(values_N: Tensor | None) -> Tensor:
+        if values_N is None:
+            return ratio_N.new_zeros(())
+        return torch.where(valid_N, values_N.detach().to(ratio_N.dtype), 0.0).sum() / denom
+
+    nan_count = (~generator_finite_N).sum().to(ratio_N.dtype)
+    return {
+        "loss/policy": policy,
+        "loss/entropy": valid_mean(entropy_N),
+        "loss/kl": valid_mean(kl_N),
+        "loss/clip_frac": valid_mean(clipped_N),
+        "loss/ratio_mean": valid_mean(ratio_N),
+        "loss/generator_logprob_nan_frac": nan_count / max(generator_finite_N.numel(), 1),
+        "loss/num_tokens": num_valid,
+    }
+
+
+def _masked(values_N: Tensor, valid_N: Tensor) -> Tensor:
+    return torch.where(valid_N, values_N, 0.0)
+
+
+def _weighted(values_N: Tensor, weights_N: Tensor | None) -> Tensor:
+    return values_N if weights_N is None else values_N * weights_N
+
+
+def _sanitise(
+    logprobs_N: Tensor,
+    generator_logprobs_N: Tensor,
+    advantages_N: Tensor,
+    sequence_ids_N: Tensor,
+    valid_N: Tensor,
+    num_sequences: int,
+) -> _Tokens:
+    logprobs_N = _masked(logprobs_N, valid_N)
+    generator_logprobs_N = _masked(generator_logprobs_N, valid_N)
+    log_ratio_N = (logprobs_N - generator_logprobs_N).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    sequence_ids_N = sequence_ids_N.long()
+    valid_f_N = valid_N.to(logprobs_N.dtype)
+    count_S = valid_f_N.new_zeros(num_sequences).index_add(0, sequence_ids_N, valid_f_N)
+    return _Tokens(
+        logprobs_N=logprobs_N,
+        log_ratio_N=log_ratio_N,
+        advantages_N=_masked(advantages_N, valid_N),
+        sequence_ids_N=sequence_ids_N,
+        valid_N=valid_N,
+        count_S=count_S,
+    )
+
+
+def _kl(tokens: _Tokens, ref_logprobs_N: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy."""
+    log_ref_ratio_N = (ref_logprobs_N - tokens.logprobs_N).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if estimator == "k1":
+        kl_N = -log_ref_ratio_N
+    else:
+        kl_N = torch.exp(log_ref_ratio_N) - log_ref_ratio_N - 1.0
+    return torch.where(tokens.valid_N, kl_N, 0.0)
+
+
+def _aggregate(
+    values_N: Tensor,
+    tokens: _Tokens,
+    mode: str,
+    config: LossConfig,
+    num_global_tokens: int,
+    num_global_sequences: int,
+) -> Tensor:
+    """This microbatch's share of the step-level mean; `values_N` is 0 on invalid tokens."""
+    if mode == "token_mean":
+        return values_N.sum() / num_global_tokens
+    if mode == "dr_grpo":
+        return values_N.sum() / (config.dr_grpo_normalizer * num_global_sequences)
+    if mode == "seq_mean_token_sum":
+        return values_N.sum() / num_global_sequences
+    assert mode == "seq_mean_token_mean", mode
+    count_N = tokens.count_S[tokens.sequence_ids_N].clamp(min=1)
+    return (values_N / count_N).sum() / num_global_sequences
