@@ -1,0 +1,198 @@
+"""Test doubles: a byte-level chat renderer, a scripted GenerateFn, scripted envs.
+
+FakeRenderer tokens: bytes 0..255 are themselves, IM_START = 256, IM_END = 257 (the stop
+token). A rendered message is IM_START + "role\\ncontent" + IM_END + "\\n", like ChatML.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from torchtitan_rl.envs.base import EnvConfig, Environment, MessageEnv, Rubric, StepResult
+from torchtitan_rl.types import Completion, FinishReason, Message, Rollout, SamplingParams
+
+IM_START = 256
+IM_END = 257
+NEWLINE = ord("\n")
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode())
+
+
+class FakeRenderer:
+    """ChatML-shaped byte renderer with the Renderer interface."""
+
+    stop_token_ids: tuple[int, ...] = (IM_END,)
+
+    def _message(self, message: Message) -> list[int]:
+        return [IM_START, *encode(f"{message['role']}\n{message['content']}"), IM_END, NEWLINE]
+
+    def _header(self) -> list[int]:
+        return [IM_START, *encode("assistant\n")]
+
+    def render_prompt(self, messages: Sequence[Message]) -> np.ndarray:
+        ids = [t for m in messages for t in self._message(m)] + self._header()
+        return np.array(ids, dtype=np.int32)
+
+    def render_continuation(
+        self, messages: Sequence[Message], completion_ended_with_stop: bool
+    ) -> np.ndarray:
+        ids = [NEWLINE] if completion_ended_with_stop else [IM_END, NEWLINE]
+        ids += [t for m in messages for t in self._message(m)] + self._header()
+        return np.array(ids, dtype=np.int32)
+
+    def parse_completion(self, token_ids: np.ndarray) -> str:
+        ids = [int(t) for t in token_ids if int(t) < 256]
+        return bytes(ids).decode(errors="replace")
+
+
+def make_completion(
+    token_ids: Sequence[int],
+    *,
+    request_id: str = "r",
+    finish_reason: FinishReason = FinishReason.STOP,
+    policy_version: int = 0,
+    with_support: bool = False,
+) -> Completion:
+    """A completion whose log-prob at i is -(i + 1) / 100 and support at i is [id, id + 1]."""
+    ids_N = np.asarray(token_ids, dtype=np.int32)
+    n = ids_N.shape[0]
+    completion = Completion(
+        request_id=request_id,
+        token_ids_N=ids_N,
+        logprobs_N=-(np.arange(n, dtype=np.float32) + 1) / 100,
+        finish_reason=finish_reason,
+        policy_version_min=policy_version,
+        policy_version_max=policy_version,
+    )
+    if with_support:
+        completion.support_ids = np.stack([ids_N, ids_N + 1], axis=1).reshape(-1)
+        completion.support_offsets = np.arange(0, 2 * n + 1, 2, dtype=np.int32)
+    return completion
+
+
+Response = Completion | str | None
+"""What a script returns: a Completion, text (sampled as text + IM_END, STOP), or None."""
+
+
+@dataclass(slots=True)
+class GenerateCall:
+    prompt_ids: np.ndarray
+    request_id: str
+    session_id: str | None
+    sampling: SamplingParams | None
+
+
+@dataclass(slots=True)
+class ScriptedGenerate:
+    """A GenerateFn answering from `respond(call)`; records every call.
+
+    `jitter_s` sleeps a request-dependent time first, so requests finish out of order.
+    """
+
+    respond: Callable[[GenerateCall], Response]
+    jitter_s: float = 0.0
+    calls: list[GenerateCall] = field(default_factory=list)
+
+    async def __call__(
+        self,
+        prompt_ids: np.ndarray,
+        *,
+        request_id: str,
+        session_id: str | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> Completion | None:
+        call = GenerateCall(np.asarray(prompt_ids).copy(), request_id, session_id, sampling)
+        self.calls.append(call)
+        if self.jitter_s:
+            await asyncio.sleep(self.jitter_s * (zlib.crc32(request_id.encode()) % 7) / 7)
+        response = self.respond(call)
+        if isinstance(response, str):
+            return make_completion([*encode(response), IM_END], request_id=request_id)
+        return response
+
+
+def always(text: str) -> ScriptedGenerate:
+    return ScriptedGenerate(lambda call: text)
+
+
+@dataclass(slots=True)
+class Hang:
+    """A script step that sleeps this long (to trip step_timeout_s)."""
+
+    seconds: float
+
+
+ScriptStep = StepResult | BaseException | Hang
+
+
+class ScriptedEnv(MessageEnv):
+    """Answers the k-th assistant message with script[k] (raise it if it is an exception)."""
+
+    def __init__(self, script: Sequence[ScriptStep], *, first: str = "hi", init_error=None):
+        self.script = list(script)
+        self.first = first
+        self.init_error = init_error
+        self.received: list[str] = []
+
+    async def init(self) -> list[Message]:
+        if self.init_error is not None:
+            raise self.init_error
+        return [{"role": "user", "content": self.first}]
+
+    async def step(self, assistant_message: str) -> StepResult:
+        item = self.script[len(self.received)]
+        self.received.append(assistant_message)
+        if isinstance(item, Hang):
+            await asyncio.sleep(item.seconds)
+            raise AssertionError("the timeout should have cancelled this step")
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+def reply(text: str, *, done: bool = False, **signals: float) -> StepResult:
+    return StepResult(
+        messages=[{"role": "user", "content": text}], done=done, reward_signals=signals
+    )
+
+
+def done() -> StepResult:
+    return StepResult(messages=[], done=True)
+
+
+class FakeEnvironment(Environment):
+    """Samples are {"index": i}; envs and rewards come from the given callables."""
+
+    def __init__(
+        self,
+        make_env_fn: Callable[[dict[str, Any]], MessageEnv],
+        reward_fn: Callable[[Rollout], float],
+        *,
+        config: EnvConfig | None = None,
+    ):
+        super().__init__(config or EnvConfig(), seed=0)
+        self.make_env_fn = make_env_fn
+        self.reward_fn = reward_fn
+
+    def train_sample(self, index: int) -> dict[str, Any]:
+        return {"index": index}
+
+    def validation_samples(self, n: int) -> list[dict[str, Any]]:
+        return [{"index": -1 - i} for i in range(n)]
+
+    def make_env(self, sample: dict[str, Any]) -> MessageEnv:
+        return self.make_env_fn(sample)
+
+    def rubric(self) -> Rubric:
+        return Rubric([("reward", self.reward_fn, 1.0)])
+
+    def demonstration(self, sample: dict[str, Any]) -> list[Message]:
+        return []

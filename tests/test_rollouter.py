@@ -1,0 +1,187 @@
+import asyncio
+import logging
+import math
+
+import pytest
+from fakes import (
+    FakeEnvironment,
+    FakeRenderer,
+    Hang,
+    ScriptedEnv,
+    ScriptedGenerate,
+    always,
+    done,
+    reply,
+)
+
+from torchtitan_rl.envs.base import EnvConfig
+from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter, request_seed
+from torchtitan_rl.types import RolloutStatus
+
+
+def make_rollouter(make_env_fn, reward_fn, *, env=None, seed=0, **config):
+    env_config = env or EnvConfig(max_turns=4, max_rollout_tokens=1000, step_timeout_s=5.0)
+    environment = FakeEnvironment(make_env_fn, reward_fn, config=env_config)
+    rollout_config = RolloutConfig(**{"group_size": 4, "prompts_per_step": 2, **config})
+    return Rollouter(environment, FakeRenderer(), env_config, rollout_config, seed=seed)
+
+
+def by_rollout_id(rollout):
+    return float(rollout.rollout_id)
+
+
+def three_turn_env(sample):
+    return ScriptedEnv([reply("two"), reply("three"), done()])
+
+
+def test_three_turn_rollout_records_turns_messages_and_reward():
+    rollouter = make_rollouter(three_turn_env, lambda r: len(r.turns) / 10)
+    group = asyncio.run(
+        rollouter.run_group_rollouts({"index": 0}, always("ok"), group_id=3, step=7)
+    )
+    assert [r.rollout_id for r in group.rollouts] == [0, 1, 2, 3]
+    rollout = group.rollouts[2]
+    assert rollout.status is RolloutStatus.COMPLETED
+    assert rollout.session_id == "step=7/group=3/rollout=2"
+    assert len(rollout.turns) == 3
+    assert math.isclose(rollout.reward, 0.3) and rollout.reward_breakdown == {"reward": 0.3}
+    assert [m["role"] for m in rollout.messages] == ["user", "assistant"] * 3
+    assert [t.assistant_text for t in rollout.turns] == ["ok"] * 3
+
+
+def test_request_ids_and_seeds_are_deterministic_whatever_the_finish_order():
+    def run_once(jitter_s):
+        rollouter = make_rollouter(three_turn_env, by_rollout_id, seed=11, group_size=3)
+        generate = ScriptedGenerate(lambda call: "ok", jitter_s=jitter_s)
+        asyncio.run(rollouter.run_group_rollouts({"index": 0}, generate, group_id=1, step=5))
+        return {c.request_id: (c.session_id, c.sampling.seed) for c in generate.calls}
+
+    in_order, shuffled = run_once(0.0), run_once(0.01)
+    assert in_order == shuffled
+    assert in_order["step=5/group=1/rollout=2/turn=1"] == (
+        "step=5/group=1/rollout=2",
+        request_seed(11, 5, 1, 2, 1),
+    )
+    seeds = [seed for _, seed in in_order.values()]
+    assert len(set(seeds)) == len(seeds) == 9
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert request_seed(12, 5, 1, 2, 1) != request_seed(11, 5, 1, 2, 1)
+
+
+def test_sampling_params_come_from_config_and_max_tokens_is_capped_by_budget():
+    env = EnvConfig(max_turns=1, max_rollout_tokens=30, step_timeout_s=5.0)
+    rollouter = make_rollouter(
+        lambda s: ScriptedEnv([done()]), by_rollout_id, env=env, temperature=0.7, max_tokens=64
+    )
+    generate = always("ok")
+    asyncio.run(rollouter.run_group_rollouts({"index": 0}, generate, group_id=0, step=0))
+    call = generate.calls[0]
+    assert call.sampling.temperature == 0.7
+    assert call.sampling.stop_token_ids == FakeRenderer.stop_token_ids
+    assert call.sampling.max_tokens == 30 - len(call.prompt_ids)
+
+
+def test_env_that_raises_is_error_env_and_collect_batch_returns_the_others():
+    def make_env(sample):
+        if sample["index"] == 1:
+            return ScriptedEnv([ValueError("bad move")])
+        return ScriptedEnv([done()])
+
+    rollouter = make_rollouter(make_env, by_rollout_id, prompts_per_step=3)
+    groups, next_index, metrics = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
+    assert [g.rollouts[0].sample["index"] for g in groups] == [0, 2, 3]
+    assert next_index == 4  # 3 prompts, then 1 more to refill the all-error group
+    assert metrics["rollout/status/error_env"] == 4
+    assert metrics["rollout/num_groups_filtered"] == 1
+    assert all(r.status is RolloutStatus.COMPLETED for g in groups for r in g.rollouts)
+
+
+def test_error_rollout_is_flagged_with_finite_reward():
+    def make_env(sample):
+        return ScriptedEnv([ValueError("bad move")])
+
+    rollouter = make_rollouter(make_env, by_rollout_id)
+    group = asyncio.run(
+        rollouter.run_group_rollouts({"index": 0}, always("ok"), group_id=0, step=0)
+    )
+    for rollout in group.rollouts:
+        assert rollout.status is RolloutStatus.ERROR_ENV
+        assert "bad move" in rollout.error
+        assert rollout.reward == 0.0 and rollout.reward_breakdown == {}
+        assert len(rollout.turns) == 1  # the completion is kept for inspection
+
+
+def test_generator_returning_none_is_error_generator():
+    rollouter = make_rollouter(three_turn_env, by_rollout_id)
+    generate = ScriptedGenerate(lambda call: None if call.request_id.endswith("turn=1") else "ok")
+    group = asyncio.run(rollouter.run_group_rollouts({"index": 0}, generate, group_id=0, step=0))
+    assert {r.status for r in group.rollouts} == {RolloutStatus.ERROR_GENERATOR}
+    assert all(len(r.turns) == 1 for r in group.rollouts)
+
+
+def test_slow_env_is_error_timeout():
+    env = EnvConfig(max_turns=2, max_rollout_tokens=1000, step_timeout_s=0.05)
+    rollouter = make_rollouter(lambda s: ScriptedEnv([Hang(10.0)]), by_rollout_id, env=env)
+    group = asyncio.run(
+        rollouter.run_group_rollouts({"index": 0}, always("ok"), group_id=0, step=0)
+    )
+    assert {r.status for r in group.rollouts} == {RolloutStatus.ERROR_TIMEOUT}
+
+
+@pytest.mark.parametrize("reward_fn", [lambda r: 1 / 0, lambda r: float("nan")])
+def test_raising_or_nonfinite_reward_is_error_reward(reward_fn):
+    rollouter = make_rollouter(lambda s: ScriptedEnv([done()]), reward_fn)
+    group = asyncio.run(
+        rollouter.run_group_rollouts({"index": 0}, always("ok"), group_id=0, step=0)
+    )
+    for rollout in group.rollouts:
+        assert rollout.status is RolloutStatus.ERROR_REWARD
+        assert rollout.reward == 0.0
+
+
+def test_zero_spread_groups_are_filtered_and_refilled():
+    def reward(rollout):  # odd samples: every sibling scores the same
+        return 1.0 if rollout.sample["index"] % 2 else float(rollout.rollout_id)
+
+    rollouter = make_rollouter(lambda s: ScriptedEnv([done()]), reward, prompts_per_step=3)
+    groups, next_index, metrics = asyncio.run(rollouter.collect_batch(2, 10, always("ok")))
+    assert [g.rollouts[0].sample["index"] for g in groups] == [10, 12, 14]
+    assert next_index == 15
+    assert metrics["rollout/num_groups_filtered"] == 2
+    assert metrics["rollout/num_sampling_rounds"] == 3
+    assert len({g.group_id for g in groups}) == 3
+
+
+def test_collect_batch_warns_and_returns_what_it_has_after_max_rounds(caplog):
+    rollouter = make_rollouter(
+        lambda s: ScriptedEnv([done()]), lambda r: 1.0, prompts_per_step=2, max_sampling_rounds=1
+    )
+    with caplog.at_level(logging.WARNING):
+        groups, next_index, metrics = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
+    assert groups == [] and next_index == 4
+    assert metrics["rollout/num_sampling_rounds"] == 2
+    assert "only 0 of 2 groups" in caplog.text
+
+
+def test_unfiltered_collect_batch_keeps_zero_spread_groups():
+    rollouter = make_rollouter(
+        lambda s: ScriptedEnv([done()]), lambda r: 1.0, filter_zero_std_groups=False
+    )
+    groups, next_index, _ = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
+    assert len(groups) == 2 and next_index == 2
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("group_size", 0), ("prompts_per_step", 0), ("max_sampling_rounds", -1), ("top_p", 0.0)],
+)
+def test_rollout_config_rejects_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"rollout.{field}"):
+        RolloutConfig(**{field: value}).validate()
+
+
+def test_first_prompt_over_token_budget_is_a_config_error_naming_the_field():
+    env = EnvConfig(max_turns=1, max_rollout_tokens=5, step_timeout_s=5.0)
+    rollouter = make_rollouter(lambda s: ScriptedEnv([done()]), by_rollout_id, env=env)
+    with pytest.raises(ValueError, match="env.max_rollout_tokens"):
+        asyncio.run(rollouter.run_group_rollouts({"index": 0}, always("ok"), group_id=0, step=0))

@@ -1,0 +1,135 @@
+import asyncio
+
+import numpy as np
+import pytest
+from fakes import IM_END, FakeRenderer, Hang, ScriptedEnv, done, make_completion, reply
+
+from torchtitan_rl.envs.base import EnvConfig
+from torchtitan_rl.rollout.token_env import TokenEnv, TokenEnvError
+from torchtitan_rl.types import FinishReason, RolloutStatus
+
+
+def make_env(script, *, max_turns=4, max_rollout_tokens=1000, step_timeout_s=5.0, **kw):
+    config = EnvConfig(
+        max_turns=max_turns, max_rollout_tokens=max_rollout_tokens, step_timeout_s=step_timeout_s
+    )
+    return TokenEnv(ScriptedEnv(script, **kw), FakeRenderer(), config)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_next_prompt_is_prompt_plus_sampled_ids_plus_continuation():
+    async def go():
+        env = make_env([reply("again", score=0.5), done()])
+        prompt = await env.reset()
+        # 200 alone is not valid UTF-8: parsing then re-encoding would change the ids
+        sampled = [200, 65, IM_END]
+        result = await env.step(make_completion(sampled))
+        return prompt, result
+
+    prompt, result = run(go())
+    continuation = FakeRenderer().render_continuation([{"role": "user", "content": "again"}], True)
+    expected = np.concatenate([prompt, np.array([200, 65, IM_END], np.int32), continuation])
+    np.testing.assert_array_equal(result.next_prompt_ids, expected)
+    assert result.next_prompt_ids.dtype == np.int32
+    assert not result.done and result.status is None
+    assert result.env_messages == [{"role": "user", "content": "again"}]
+    assert result.reward_signals == {"score": 0.5}
+
+
+def test_env_done_completes_rollout_without_next_prompt():
+    async def go():
+        env = make_env([done()])
+        await env.reset()
+        return env, await env.step(make_completion([65, IM_END]))
+
+    env, result = run(go())
+    assert result.done and result.status is RolloutStatus.COMPLETED
+    assert result.next_prompt_ids is None
+    assert result.assistant_text == "A"
+    assert env.messages[-1] == {"role": "assistant", "content": "A"}
+
+
+def test_length_finish_truncates_without_stepping_env():
+    async def go():
+        env = make_env([])  # stepping the env would raise IndexError
+        await env.reset()
+        return await env.step(make_completion([65, 66], finish_reason=FinishReason.LENGTH))
+
+    result = run(go())
+    assert result.status is RolloutStatus.TRUNCATED_LENGTH and result.done
+    assert result.assistant_text == "AB"
+
+
+def test_max_turns_truncates_when_env_not_done():
+    async def go():
+        env = make_env([reply("more"), reply("more")], max_turns=2)
+        await env.reset()
+        first = await env.step(make_completion([65, IM_END]))
+        second = await env.step(make_completion([66, IM_END]))
+        return first, second
+
+    first, second = run(go())
+    assert not first.done
+    assert second.status is RolloutStatus.TRUNCATED_TURNS
+    assert second.env_messages == [{"role": "user", "content": "more"}]
+
+
+def test_next_prompt_over_token_budget_truncates_prompt():
+    async def go():
+        env = make_env([reply("x" * 50)], max_rollout_tokens=40)
+        await env.reset()
+        return await env.step(make_completion([65, IM_END]))
+
+    assert run(go()).status is RolloutStatus.TRUNCATED_PROMPT
+
+
+def test_env_exception_is_error_env_with_message():
+    async def go():
+        env = make_env([RuntimeError("board on fire")])
+        await env.reset()
+        return await env.step(make_completion([65, IM_END]))
+
+    result = run(go())
+    assert result.status is RolloutStatus.ERROR_ENV
+    assert "RuntimeError" in result.error and "board on fire" in result.error
+
+
+def test_slow_env_step_is_error_timeout():
+    async def go():
+        env = make_env([Hang(10.0)], step_timeout_s=0.05)
+        await env.reset()
+        return await env.step(make_completion([65, IM_END]))
+
+    result = run(go())
+    assert result.status is RolloutStatus.ERROR_TIMEOUT
+    assert "step_timeout_s" in result.error
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        None,
+        make_completion([], finish_reason=FinishReason.ERROR),
+        make_completion([65], finish_reason=FinishReason.ABORT),
+    ],
+)
+def test_missing_or_failed_completion_is_error_generator(completion):
+    async def go():
+        env = make_env([done()])
+        await env.reset()
+        return await env.step(completion)
+
+    result = run(go())
+    assert result.status is RolloutStatus.ERROR_GENERATOR and result.done
+
+
+def test_init_failure_raises_token_env_error_with_status():
+    async def go():
+        await make_env([], init_error=KeyError("no sample")).reset()
+
+    with pytest.raises(TokenEnvError) as info:
+        run(go())
+    assert info.value.status is RolloutStatus.ERROR_ENV

@@ -1,0 +1,225 @@
+"""Batcher: packs episodes into fixed-shape microbatches for the data-parallel ranks.
+
+Shapes: R = rows_per_microbatch, S = seq_len. An episode of L tokens fills L - 1 slots of
+a row: inputs are its tokens [0, L-1) and labels its tokens [1, L), so a label never
+crosses into the next episode. Example row (S = 8) holding episodes x (4 tokens) and
+y (3 tokens), pad p:
+    input_ids     = x0 x1 x2 y0 y1 p  p  p
+    labels        = x1 x2 x3 y1 y2 p  p  p
+    positions     = 0  1  2  0  1  0  0  0
+    document_ids  = 0  0  0  1  1  -1 -1 -1
+    loss_mask     = loss_mask_x[1:4] + loss_mask_y[1:3] + [0]*3
+so an episode of up to S + 1 tokens fits one row; longer ones are dropped and counted.
+
+Rows are filled first-fit decreasing, dealt to ranks (balanced by loss tokens, at most
+ceil(rows / ranks) rows each), then cut into microbatches of R rows. Every microbatch is
+[R, S] (short ones padded with empty rows), and every rank gets the same number of
+microbatches (all-padding ones at the end) so the ranks' collectives match.
+All counts are int64: an int8 mask summed in int8 wraps past 127.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from torchtitan_rl.types import Episode, Microbatch
+
+
+@dataclass(kw_only=True, slots=True)
+class BatcherConfig:
+    """TOML section [batcher]."""
+
+    seq_len: int = 512
+    """Token slots per row (>= 1); an episode of up to seq_len + 1 tokens fits one row."""
+    rows_per_microbatch: int = 4
+    """Rows in one forward/backward (>= 1)."""
+
+    def validate(self) -> None:
+        if self.seq_len < 1:
+            raise ValueError(f"batcher.seq_len must be >= 1, got {self.seq_len}")
+        if self.rows_per_microbatch < 1:
+            raise ValueError(
+                f"batcher.rows_per_microbatch must be >= 1, got {self.rows_per_microbatch}"
+            )
+
+
+@dataclass(slots=True)
+class _Doc:
+    """An episode placed in a row."""
+
+    episode: Episode
+    sequence_id: int
+    num_slots: int
+    num_loss_tokens: int
+
+
+def pack_batch(
+    episodes: list[Episode], *, config: BatcherConfig, num_ranks: int, pad_id: int
+) -> tuple[list[list[Microbatch]], dict[str, float]]:
+    """Pack a step's episodes; returns (microbatches per rank, metrics).
+
+    With nothing trainable, every rank gets an empty list.
+    """
+    config.validate()
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    docs, num_oversized, num_no_loss = _select_docs(episodes, config.seq_len)
+    use_support = any(d.episode.support_offsets is not None for d in docs)
+    assert not use_support or all(d.episode.support_offsets is not None for d in docs), (
+        "some episodes carry sampling support and some do not"
+    )
+
+    rows = _first_fit_decreasing(docs, config.seq_len)
+    rows_per_rank = _deal_rows(rows, num_ranks)
+    rpm = config.rows_per_microbatch
+    num_microbatches = max(math.ceil(len(r) / rpm) for r in rows_per_rank)
+    num_loss_tokens = sum(d.num_loss_tokens for d in docs)
+    totals = dict(num_global_loss_tokens=int(num_loss_tokens), num_global_sequences=len(docs))
+    batches = [
+        [
+            _build_microbatch(
+                rank_rows[i * rpm : (i + 1) * rpm], config, pad_id, use_support, **totals
+            )
+            for i in range(num_microbatches)
+        ]
+        for rank_rows in rows_per_rank
+    ]
+
+    total_slots = num_ranks * num_microbatches * rpm * config.seq_len
+    used_slots = sum(d.num_slots for d in docs)
+    pct_pad = 100.0 * (total_slots - used_slots) / total_slots if total_slots else 0.0
+    metrics = {
+        "batcher/pct_pad_in_batch": pct_pad,
+        "batcher/num_dropped_oversized": float(num_oversized),
+        "batcher/num_dropped_no_loss": float(num_no_loss),
+        "batcher/num_rows": float(len(rows)),
+        "batcher/num_loss_tokens": float(num_loss_tokens),
+        "batcher/num_sequences": float(len(docs)),
+        "batcher/num_microbatches_per_rank": float(num_microbatches),
+    }
+    return batches, metrics
+
+
+def _select_docs(episodes: list[Episode], seq_len: int) -> tuple[list[_Doc], int, int]:
+    """Keep episodes that fit a row and have a trainable label; number them in input order."""
+    docs: list[_Doc] = []
+    num_oversized = num_no_loss = 0
+    for episode in episodes:
+        length = len(episode)
+        if length > seq_len + 1:
+            num_oversized += 1
+            continue
+        mask_L = np.asarray(episode.loss_mask_L).astype(bool)
+        assert length == 0 or not mask_L[0], "an episode's first token has no context to train"
+        num_loss = int(np.count_nonzero(mask_L[1:]))
+        if num_loss == 0:
+            num_no_loss += 1
+            continue
+        docs.append(
+            _Doc(
+                episode=episode,
+                sequence_id=len(docs),
+                num_slots=length - 1,
+                num_loss_tokens=num_loss,
+            )
+        )
+    return docs, num_oversized, num_no_loss
+
+
+def _first_fit_decreasing(docs: list[_Doc], seq_len: int) -> list[list[_Doc]]:
+    rows: list[list[_Doc]] = []
+    free: list[int] = []
+    for doc in sorted(docs, key=lambda d: (-d.num_slots, d.sequence_id)):
+        for r, space in enumerate(free):
+            if doc.num_slots <= space:
+                rows[r].append(doc)
+                free[r] -= doc.num_slots
+                break
+        else:
+            rows.append([doc])
+            free.append(seq_len - doc.num_slots)
+    return rows
+
+
+def _deal_rows(rows: list[list[_Doc]], num_ranks: int) -> list[list[list[_Doc]]]:
+    """Give each rank at most ceil(rows / ranks) rows, greedily balancing loss tokens."""
+    cap = math.ceil(len(rows) / num_ranks)
+    per_rank: list[list[list[_Doc]]] = [[] for _ in range(num_ranks)]
+    loss_per_rank = [0] * num_ranks
+    row_loss = [sum(d.num_loss_tokens for d in row) for row in rows]
+    for r in sorted(range(len(rows)), key=lambda r: (-row_loss[r], r)):
+        rank = min(
+            (k for k in range(num_ranks) if len(per_rank[k]) < cap),
+            key=lambda k: (loss_per_rank[k], k),
+        )
+        per_rank[rank].append(rows[r])
+        loss_per_rank[rank] += row_loss[r]
+    return per_rank
+
+
+def _build_microbatch(
+    rows: list[list[_Doc]],
+    config: BatcherConfig,
+    pad_id: int,
+    use_support: bool,
+    *,
+    num_global_loss_tokens: int,
+    num_global_sequences: int,
+) -> Microbatch:
+    shape = (config.rows_per_microbatch, config.seq_len)
+    input_ids_RS = np.full(shape, pad_id, dtype=np.int32)
+    labels_RS = np.full(shape, pad_id, dtype=np.int32)
+    positions_RS = np.zeros(shape, dtype=np.int32)
+    document_ids_RS = np.full(shape, -1, dtype=np.int32)
+    loss_mask_RS = np.zeros(shape, dtype=bool)
+    logprobs_RS = np.zeros(shape, dtype=np.float32)
+    advantages_RS = np.zeros(shape, dtype=np.float32)
+    sequence_ids_RS = np.full(shape, -1, dtype=np.int32)
+    support_ids: list[np.ndarray] = []
+    support_counts: list[np.ndarray] = []
+
+    for r, row in enumerate(rows):
+        start = 0
+        for doc_index, doc in enumerate(row):
+            ep, n = doc.episode, doc.num_slots
+            span = slice(start, start + n)
+            input_ids_RS[r, span] = ep.token_ids_L[:-1]
+            labels_RS[r, span] = ep.token_ids_L[1:]
+            positions_RS[r, span] = np.arange(n, dtype=np.int32)
+            document_ids_RS[r, span] = doc_index
+            loss_mask_RS[r, span] = np.asarray(ep.loss_mask_L[1:]).astype(bool)
+            logprobs_RS[r, span] = ep.logprobs_L[1:]
+            advantages_RS[r, span] = ep.advantages_L[1:]
+            sequence_ids_RS[r, span] = doc.sequence_id
+            if use_support:
+                offsets = np.asarray(ep.support_offsets, dtype=np.int64)
+                assert offsets.shape[0] == doc.num_loss_tokens + 1, "support per loss token"
+                support_ids.append(np.asarray(ep.support_ids)[offsets[0] : offsets[-1]])
+                support_counts.append(np.diff(offsets))
+            start += n
+        assert start <= config.seq_len
+
+    microbatch = Microbatch(
+        input_ids_RS=input_ids_RS,
+        labels_RS=labels_RS,
+        positions_RS=positions_RS,
+        document_ids_RS=document_ids_RS,
+        loss_mask_RS=loss_mask_RS,
+        logprobs_RS=logprobs_RS,
+        advantages_RS=advantages_RS,
+        sequence_ids_RS=sequence_ids_RS,
+        num_global_loss_tokens=num_global_loss_tokens,
+        num_global_sequences=num_global_sequences,
+    )
+    if use_support:
+        counts = np.concatenate([np.zeros(0, np.int64), *support_counts])
+        offsets = np.concatenate([np.zeros(1, np.int64), np.cumsum(counts, dtype=np.int64)])
+        assert offsets[-1] <= np.iinfo(np.int32).max, "support CSR too large for int32 offsets"
+        microbatch.support_ids = np.concatenate([np.zeros(0, np.int32), *support_ids]).astype(
+            np.int32
+        )
+        microbatch.support_offsets = offsets.astype(np.int32)
+    return microbatch

@@ -1,0 +1,330 @@
+"""Rollouter: plays groups of sibling rollouts against a GenerateFn and scores them.
+
+Naming (stable, so a router can keep a rollout's turns on one generator and runs replay):
+    session_id = "step={step}/group={G}/rollout={R}"
+    request_id = f"{session_id}/turn={T}"
+    seed       = request_seed(seed, step, G, R, T)   # 63-bit hash, independent of timing
+
+Group ids number the groups of one step in sampling order (0, 1, ...), across refill rounds.
+A rollout that ends in an error status keeps reward 0.0 and advantage 0.0 but is flagged by
+its status; it is counted in metrics and never trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from torchtitan_rl.rollout.advantages import group_has_signal
+from torchtitan_rl.rollout.token_env import TokenEnv, TokenEnvError
+from torchtitan_rl.types import (
+    GenerateFn,
+    Rollout,
+    RolloutGroup,
+    RolloutStatus,
+    RolloutTurn,
+    SamplingParams,
+)
+
+if TYPE_CHECKING:
+    from torchtitan_rl.envs.base import EnvConfig, Environment
+    from torchtitan_rl.models.renderer import Renderer
+
+logger = logging.getLogger(__name__)
+
+_SEED_MASK = (1 << 63) - 1  # seeds fit a signed int64 (torch.Generator.manual_seed)
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """TOML section [rollout]."""
+
+    group_size: int = 8
+    """Sibling rollouts per prompt (>= 1; >= 2 for a group-relative advantage to be nonzero)."""
+    prompts_per_step: int = 8
+    """Groups (prompts) trained on per step (>= 1)."""
+    temperature: float = 1.0
+    """Sampling temperature (>= 0; 0 is greedy)."""
+    top_p: float = 1.0
+    """Nucleus mass kept, in (0, 1]; 1 disables."""
+    top_k: int = 0
+    """Most likely tokens kept (>= 0); 0 disables."""
+    max_tokens: int = 64
+    """Max tokens sampled per assistant turn (>= 1); also capped by the rollout token budget."""
+    filter_zero_std_groups: bool = True
+    """Drop groups whose valid rollouts all got the same reward (no learning signal)."""
+    max_sampling_rounds: int = 4
+    """Extra prompt batches tried to refill filtered groups (>= 0) before training on what
+    there is (with a warning)."""
+
+    def validate(self) -> None:
+        for name in ("group_size", "prompts_per_step", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_sampling_rounds < 0:
+            raise ValueError(
+                f"rollout.max_sampling_rounds must be >= 0, got {self.max_sampling_rounds}"
+            )
+        try:
+            self.sampling_params(seed=0, max_tokens=self.max_tokens, stop_token_ids=()).validate()
+        except ValueError as e:  # SamplingParams names the field; say which section it is in
+            raise ValueError(f"rollout.{e}") from e
+
+    def sampling_params(
+        self, *, seed: int, max_tokens: int, stop_token_ids: tuple[int, ...]
+    ) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=max_tokens,
+            stop_token_ids=stop_token_ids,
+            seed=seed,
+        )
+
+
+def session_id_for(*, step: int, group_id: int, rollout_id: int) -> str:
+    return f"step={step}/group={group_id}/rollout={rollout_id}"
+
+
+def request_id_for(session_id: str, turn: int) -> str:
+    return f"{session_id}/turn={turn}"
+
+
+def request_seed(seed: int, step: int, group_id: int, rollout_id: int, turn: int) -> int:
+    """A 63-bit sampling seed that depends only on its arguments (not on timing or order)."""
+    key = f"{seed}/{step}/{group_id}/{rollout_id}/{turn}".encode()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _SEED_MASK
+
+
+class Rollouter:
+    """Runs rollouts for the controller; holds no tensors, only envs and the rubric."""
+
+    def __init__(
+        self,
+        environment: Environment,
+        renderer: Renderer,
+        env_config: EnvConfig,
+        config: RolloutConfig,
+        seed: int,
+    ) -> None:
+        config.validate()
+        self._environment = environment
+        self._renderer = renderer
+        self._env_config = env_config
+        self._config = config
+        self._seed = seed
+        self._rubric = environment.rubric()
+
+    async def run_single_rollout(
+        self,
+        sample: dict[str, Any],
+        generate_fn: GenerateFn,
+        *,
+        group_id: int,
+        rollout_id: int,
+        sampling: SamplingParams,
+        step: int = 0,
+    ) -> Rollout:
+        """Play one rollout to the end, then score it.
+
+        `sampling` is the template for every turn: its seed is replaced per turn by
+        `request_seed(...)`, and max_tokens is capped by the rollout's remaining token budget.
+        """
+        session_id = session_id_for(step=step, group_id=group_id, rollout_id=rollout_id)
+        rollout = Rollout(
+            group_id=group_id, rollout_id=rollout_id, session_id=session_id, sample=sample
+        )
+        try:
+            env = TokenEnv(self._environment.make_env(sample), self._renderer, self._env_config)
+        except Exception as e:  # a user env failing is recorded on the rollout, not fatal
+            return _fail(rollout, RolloutStatus.ERROR_ENV, f"{type(e).__name__}: {e}")
+        try:
+            prompt_ids = await env.reset()
+        except TokenEnvError as e:
+            return _fail(rollout, e.status, str(e))
+
+        status = await self._play_turns(
+            rollout, env, prompt_ids, generate_fn, sampling=sampling, step=step
+        )
+        rollout.messages = list(env.messages)
+        rollout.status = status
+        if not status.is_error():
+            self._score(rollout)
+        return rollout
+
+    async def _play_turns(
+        self,
+        rollout: Rollout,
+        env: TokenEnv,
+        prompt_ids: np.ndarray,
+        generate_fn: GenerateFn,
+        *,
+        sampling: SamplingParams,
+        step: int,
+    ) -> RolloutStatus:
+        """Alternate generator and env until the rollout ends; appends turns to `rollout`."""
+        max_rollout_tokens = self._env_config.max_rollout_tokens
+        if prompt_ids.shape[0] >= max_rollout_tokens:  # TokenEnv checks every later prompt
+            raise ValueError(
+                f"env.max_rollout_tokens={max_rollout_tokens} leaves no room to generate after "
+                f"the first prompt of sample {rollout.sample!r} ({prompt_ids.shape[0]} tokens); "
+                "raise it above the longest first prompt"
+            )
+        turn = 0
+        while True:
+            turn_sampling = replace(
+                sampling,
+                max_tokens=min(sampling.max_tokens, max_rollout_tokens - prompt_ids.shape[0]),
+                seed=request_seed(self._seed, step, rollout.group_id, rollout.rollout_id, turn),
+            )
+            completion = await generate_fn(
+                prompt_ids,
+                request_id=request_id_for(rollout.session_id, turn),
+                session_id=rollout.session_id,
+                sampling=turn_sampling,
+            )
+            result = await env.step(completion)
+            if result.status is not RolloutStatus.ERROR_GENERATOR:
+                assert completion is not None
+                rollout.turns.append(
+                    RolloutTurn(
+                        prompt_ids=prompt_ids,
+                        completion=completion,
+                        assistant_text=result.assistant_text,
+                        env_messages=result.env_messages,
+                        reward_signals=result.reward_signals,
+                    )
+                )
+            if result.done:
+                assert result.status is not None
+                rollout.error = result.error
+                return result.status
+            assert result.next_prompt_ids is not None
+            prompt_ids = result.next_prompt_ids
+            turn += 1
+
+    def _score(self, rollout: Rollout) -> None:
+        try:
+            reward, breakdown = self._rubric.score(rollout)
+        except Exception as e:  # a failing reward fn marks the rollout, never a silent 0
+            _fail(rollout, RolloutStatus.ERROR_REWARD, f"{type(e).__name__}: {e}")
+            return
+        if not math.isfinite(reward):
+            _fail(rollout, RolloutStatus.ERROR_REWARD, f"non-finite reward {reward!r}")
+            return
+        rollout.reward = float(reward)
+        rollout.reward_breakdown = {k: float(v) for k, v in breakdown.items()}
+
+    async def run_group_rollouts(
+        self, sample: dict[str, Any], generate_fn: GenerateFn, *, group_id: int, step: int
+    ) -> RolloutGroup:
+        """Run `group_size` sibling rollouts of one prompt concurrently."""
+        sampling = self._config.sampling_params(
+            seed=0,
+            max_tokens=self._config.max_tokens,
+            stop_token_ids=tuple(self._renderer.stop_token_ids),
+        )
+        rollouts = await asyncio.gather(
+            *(
+                self.run_single_rollout(
+                    sample,
+                    generate_fn,
+                    group_id=group_id,
+                    rollout_id=rollout_id,
+                    sampling=sampling,
+                    step=step,
+                )
+                for rollout_id in range(self._config.group_size)
+            )
+        )
+        return RolloutGroup(group_id=group_id, rollouts=list(rollouts))
+
+    async def collect_batch(
+        self, step: int, next_sample_index: int, generate_fn: GenerateFn
+    ) -> tuple[list[RolloutGroup], int, dict[str, float]]:
+        """Sample prompts until `prompts_per_step` groups survive filtering.
+
+        Returns (kept groups, the next unused sample index, metrics). After
+        `max_sampling_rounds` refill rounds it warns and returns what it has, which may be
+        fewer groups or none at all.
+        """
+        cfg = self._config
+        kept: list[RolloutGroup] = []
+        sampled: list[RolloutGroup] = []
+        index = next_sample_index
+        rounds = 0
+        while len(kept) < cfg.prompts_per_step and rounds <= cfg.max_sampling_rounds:
+            need = cfg.prompts_per_step - len(kept)
+            first_group = len(sampled)
+            groups = await asyncio.gather(
+                *(
+                    self.run_group_rollouts(
+                        self._environment.train_sample(index + i),
+                        generate_fn,
+                        group_id=first_group + i,
+                        step=step,
+                    )
+                    for i in range(need)
+                )
+            )
+            index += need
+            rounds += 1
+            sampled.extend(groups)
+            kept.extend(g for g in groups if not cfg.filter_zero_std_groups or group_has_signal(g))
+        if len(kept) < cfg.prompts_per_step:
+            logger.warning(
+                "step %d: only %d of %d groups have reward spread after %d sampling rounds; "
+                "training on what there is",
+                step,
+                len(kept),
+                cfg.prompts_per_step,
+                rounds,
+            )
+        metrics = _batch_metrics(sampled, kept, rounds)
+        return kept, index, metrics
+
+
+def _fail(rollout: Rollout, status: RolloutStatus, error: str) -> Rollout:
+    assert status.is_error()
+    rollout.status = status
+    rollout.error = error
+    rollout.reward = 0.0
+    rollout.reward_breakdown = {}
+    return rollout
+
+
+def _batch_metrics(
+    sampled: list[RolloutGroup], kept: list[RolloutGroup], rounds: int
+) -> dict[str, float]:
+    """Metrics over every rollout sampled this step (kept or filtered)."""
+    rollouts = [r for g in sampled for r in g.rollouts]
+    valid = [r for r in rollouts if not r.status.is_error()]
+    statuses = Counter(r.status for r in rollouts)
+    metrics: dict[str, float] = {
+        "rollout/num_groups_sampled": float(len(sampled)),
+        "rollout/num_groups_kept": float(len(kept)),
+        "rollout/num_groups_filtered": float(len(sampled) - len(kept)),
+        "rollout/num_sampling_rounds": float(rounds),
+        "rollout/num_rollouts": float(len(rollouts)),
+        "rollout/num_error_rollouts": float(len(rollouts) - len(valid)),
+    }
+    for status in RolloutStatus:
+        metrics[f"rollout/status/{status.value}"] = float(statuses.get(status, 0))
+    if valid:
+        rewards = np.array([r.reward for r in valid], dtype=np.float64)
+        metrics["rollout/reward_mean"] = float(rewards.mean())
+        metrics["rollout/reward_std"] = float(rewards.std())
+        metrics["rollout/num_turns_mean"] = float(np.mean([len(r.turns) for r in valid]))
+        completion_tokens = [t.completion.num_tokens for r in valid for t in r.turns]
+        if completion_tokens:
+            metrics["rollout/completion_tokens_mean"] = float(np.mean(completion_tokens))
+    return metrics

@@ -1,0 +1,168 @@
+"""TokenEnv: adapts a chat-level MessageEnv to token space (token in, token out).
+
+The prompt of turn t+1 is built by appending to the prompt of turn t, never by re-rendering
+the conversation:
+
+    prompt_1 = prompt_0 + A0 + render_continuation(E0)
+
+where A0 are the completion ids exactly as sampled (never re-tokenized from text) and E0 the
+env's reply messages. So every turn's prompt starts with the previous turn's prompt plus its
+completion, which is what lets `rollout_to_episodes` pack a whole rollout into one sequence.
+
+Limits (from EnvConfig), checked in this order after each completion:
+    generator gave None / ERROR / ABORT       -> ERROR_GENERATOR
+    completion finish_reason LENGTH           -> TRUNCATED_LENGTH (env.step is not called:
+                                                 the message is cut; the rubric still scores
+                                                 what exists)
+    env.step raised / exceeded step_timeout_s -> ERROR_ENV / ERROR_TIMEOUT
+    env said done                             -> COMPLETED
+    max_turns assistant turns taken           -> TRUNCATED_TURNS
+    next prompt leaves no room to generate    -> TRUNCATED_PROMPT
+      (len(next_prompt) >= max_rollout_tokens: the budget covers prompt plus completion)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from torchtitan_rl.types import Completion, FinishReason, Message, RolloutStatus
+
+if TYPE_CHECKING:
+    from torchtitan_rl.envs.base import EnvConfig, MessageEnv
+    from torchtitan_rl.models.renderer import Renderer
+
+_T = TypeVar("_T")
+
+
+class TokenEnvError(Exception):
+    """The env failed before the first turn (init raised or timed out)."""
+
+    def __init__(self, status: RolloutStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(kw_only=True, slots=True)
+class TokenStep:
+    """What one assistant turn did to the rollout."""
+
+    next_prompt_ids: np.ndarray | None
+    """int32 prompt for the next turn; None once the rollout is done."""
+    done: bool
+    """True when the rollout ends after this turn (for any reason)."""
+    status: RolloutStatus | None
+    """How the rollout ended; None while it continues."""
+    assistant_text: str = ""
+    """The completion parsed to text ("" when the generator failed)."""
+    env_messages: list[Message] = field(default_factory=list)
+    """The env's reply messages to this turn (empty when the env was not stepped)."""
+    reward_signals: dict[str, float] = field(default_factory=dict)
+    """Per-turn signals the env reported."""
+    error: str | None = None
+    """Human-readable cause when status is an error."""
+
+
+class TokenEnv:
+    """One rollout's conversation in token space; create one per rollout."""
+
+    def __init__(self, env: MessageEnv, renderer: Renderer, config: EnvConfig) -> None:
+        self._env = env
+        self._renderer = renderer
+        self._config = config
+        self._messages: list[Message] = []
+        self._prompt_ids = np.zeros(0, dtype=np.int32)
+        self._num_turns = 0
+
+    @property
+    def messages(self) -> list[Message]:
+        """The conversation so far (init messages, assistant turns, env replies)."""
+        return self._messages
+
+    @property
+    def num_turns(self) -> int:
+        return self._num_turns
+
+    async def reset(self) -> np.ndarray:
+        """Start the episode; returns the first prompt ids. Raises TokenEnvError on env failure."""
+        try:
+            first = await self._with_timeout(self._env.init())
+        except TimeoutError as e:
+            raise TokenEnvError(RolloutStatus.ERROR_TIMEOUT, self._timeout_message("init")) from e
+        except Exception as e:  # a user env failing is recorded on the rollout, not fatal
+            raise TokenEnvError(RolloutStatus.ERROR_ENV, _describe(e)) from e
+        self._messages = list(first)
+        self._prompt_ids = np.asarray(self._renderer.render_prompt(self._messages), np.int32)
+        self._num_turns = 0
+        return self._prompt_ids
+
+    async def step(self, completion: Completion | None) -> TokenStep:
+        """Feed one sampled completion; returns the next prompt or how the rollout ended."""
+        if completion is None:
+            return _ended(RolloutStatus.ERROR_GENERATOR, error="generator returned no completion")
+        if completion.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+            reason = completion.error or "no message"
+            return _ended(
+                RolloutStatus.ERROR_GENERATOR,
+                error=f"completion {completion.finish_reason.value}: {reason}",
+            )
+        try:
+            text = self._renderer.parse_completion(completion.token_ids_N)
+        except ValueError as e:
+            return _ended(RolloutStatus.ERROR_PARSE, error=_describe(e))
+        self._num_turns += 1
+        self._messages.append({"role": "assistant", "content": text})
+        if completion.finish_reason == FinishReason.LENGTH:
+            return _ended(RolloutStatus.TRUNCATED_LENGTH, assistant_text=text)
+
+        try:
+            result = await self._with_timeout(self._env.step(text))
+        except TimeoutError:
+            return _ended(
+                RolloutStatus.ERROR_TIMEOUT,
+                assistant_text=text,
+                error=self._timeout_message("step"),
+            )
+        except Exception as e:  # a user env failing is recorded on the rollout, not fatal
+            return _ended(RolloutStatus.ERROR_ENV, assistant_text=text, error=_describe(e))
+
+        reply = list(result.messages)
+        self._messages.extend(reply)
+        signals = dict(result.reward_signals)
+        turn = dict(assistant_text=text, env_messages=reply, reward_signals=signals)
+        if result.done:
+            return _ended(RolloutStatus.COMPLETED, **turn)
+        if self._num_turns >= self._config.max_turns:
+            return _ended(RolloutStatus.TRUNCATED_TURNS, **turn)
+
+        ended_with_stop = completion.finish_reason == FinishReason.STOP
+        continuation = self._renderer.render_continuation(reply, ended_with_stop)
+        next_prompt = np.concatenate(
+            [
+                self._prompt_ids,
+                np.asarray(completion.token_ids_N, np.int32),
+                np.asarray(continuation, np.int32),
+            ]
+        )
+        if next_prompt.shape[0] >= self._config.max_rollout_tokens:
+            return _ended(RolloutStatus.TRUNCATED_PROMPT, **turn)
+        self._prompt_ids = next_prompt
+        return TokenStep(next_prompt_ids=next_prompt, done=False, status=None, **turn)
+
+    async def _with_timeout(self, awaitable: Awaitable[_T]) -> _T:
+        return await asyncio.wait_for(awaitable, timeout=self._config.step_timeout_s)
+
+    def _timeout_message(self, what: str) -> str:
+        return f"env.{what} exceeded step_timeout_s={self._config.step_timeout_s}"
+
+
+def _ended(status: RolloutStatus, **fields: Any) -> TokenStep:
+    return TokenStep(next_prompt_ids=None, done=True, status=status, **fields)
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
