@@ -91,7 +91,7 @@ def test_env_that_raises_is_error_env_and_collect_batch_returns_the_others():
     groups, next_index, metrics = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
     assert [g.rollouts[0].sample["index"] for g in groups] == [0, 2, 3]
     assert next_index == 4  # 3 prompts, then 1 more to refill the all-error group
-    assert metrics["rollout/status/error_env"] == 4
+    assert metrics["rollout/status/error_env"] == 4 / metrics["rollout/num_rollouts"]
     assert metrics["rollout/num_groups_filtered"] == 1
     assert all(r.status is RolloutStatus.COMPLETED for g in groups for r in g.rollouts)
 

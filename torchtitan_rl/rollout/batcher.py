@@ -54,6 +54,9 @@ class _Doc:
     sequence_id: int
     num_slots: int
     num_loss_tokens: int
+    num_finite_loss_tokens: int
+    """Loss tokens whose generator log-prob is finite: the token-mean denominator (the loss
+    drops non-finite ones from numerator and denominator alike)."""
 
 
 def pack_batch(
@@ -77,7 +80,8 @@ def pack_batch(
     rpm = config.rows_per_microbatch
     num_microbatches = max(math.ceil(len(r) / rpm) for r in rows_per_rank)
     num_loss_tokens = sum(d.num_loss_tokens for d in docs)
-    totals = dict(num_global_loss_tokens=int(num_loss_tokens), num_global_sequences=len(docs))
+    num_finite = sum(d.num_finite_loss_tokens for d in docs)
+    totals = dict(num_global_loss_tokens=int(num_finite), num_global_sequences=len(docs))
     batches = [
         [
             _build_microbatch(
@@ -124,6 +128,9 @@ def _select_docs(episodes: list[Episode], seq_len: int) -> tuple[list[_Doc], int
                 sequence_id=len(docs),
                 num_slots=length - 1,
                 num_loss_tokens=num_loss,
+                num_finite_loss_tokens=int(
+                    np.count_nonzero(mask_L[1:] & np.isfinite(episode.logprobs_L[1:]))
+                ),
             )
         )
     return docs, num_oversized, num_no_loss

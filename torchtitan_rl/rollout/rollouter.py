@@ -318,13 +318,14 @@ def _batch_metrics(
         "rollout/num_error_rollouts": float(len(rollouts) - len(valid)),
     }
     for status in RolloutStatus:
-        metrics[f"rollout/status/{status.value}"] = float(statuses.get(status, 0))
+        share = statuses.get(status, 0) / len(rollouts) if rollouts else 0.0
+        metrics[f"rollout/status/{status.value}"] = float(share)
+    if sampled:
+        metrics["rollout_reward/zero_std_frac"] = float(
+            sum(not group_has_signal(g) for g in sampled) / len(sampled)
+        )
     if valid:
         rewards = np.array([r.reward for r in valid], dtype=np.float64)
-        metrics["rollout/reward_mean"] = float(rewards.mean())
-        metrics["rollout/reward_std"] = float(rewards.std())
-        metrics["rollout/num_turns_mean"] = float(np.mean([len(r.turns) for r in valid]))
-        completion_tokens = [t.completion.num_tokens for r in valid for t in r.turns]
-        if completion_tokens:
-            metrics["rollout/completion_tokens_mean"] = float(np.mean(completion_tokens))
+        metrics["rollout_reward/mean"] = float(rewards.mean())
+        metrics["rollout_reward/std"] = float(rewards.std())
     return metrics
