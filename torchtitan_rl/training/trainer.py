@@ -180,17 +180,20 @@ class TrainerCore:
         }
 
     def _reduce(self, sums: dict[str, float], total_loss, diff_max) -> dict[str, float]:
-        keys = sorted(sums)
-        vec = torch.tensor([sums[k] for k in keys] + [float(total_loss)], dtype=torch.float64)
-        mx = diff_max.detach().double().cpu().reshape(1)
+        """Sum the per-rank sums (max for the log-prob gap) over ranks; ranks may differ in
+        which keys they saw (an all-padding microbatch reports none), so gather dicts."""
+        local = {**sums, "_loss": float(total_loss), "_diff_max": float(diff_max)}
+        parts = [local]
         if self.distributed:
-            vec, mx = vec.to(self.device), mx.to(self.device)
-            dist.all_reduce(vec)
-            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-        vals = dict(zip(keys, vec[:-1].tolist()))
-        tokens, finite = vals.pop("_tokens", 0.0), vals.pop("_finite", 0.0)
-        out = {"loss/mean": float(vec[-1]), "trainer/logprob_diff/max": float(mx[0])}
-        for k, v in vals.items():
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, local)
+        merged: dict[str, float] = {}
+        for part in parts:
+            for k, v in part.items():
+                merged[k] = max(merged.get(k, 0.0), v) if k == "_diff_max" else merged.get(k, 0.0) + v
+        tokens, finite = merged.pop("_tokens", 0.0), merged.pop("_finite", 0.0)
+        out = {"loss/mean": merged.pop("_loss"), "trainer/logprob_diff/max": merged.pop("_diff_max")}
+        for k, v in merged.items():
             denom = finite if k == "trainer/logprob_diff/mean" else tokens
             out[k] = v / denom if denom else 0.0
         out["trainer/loss_tokens"] = tokens
