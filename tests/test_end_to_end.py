@@ -43,6 +43,9 @@ def _config(tmp_path):
             "--rollout.prompts_per_step=2",
             "--rollout.max_tokens=16",
             "--rollout.filter_zero_std_groups=false",
+            # a barely trained policy often scores 0 everywhere (no advantage signal); the
+            # entropy bonus guarantees the RL step itself has a gradient to apply
+            "--loss.entropy_coef=0.01",
             "--alphabet_sort.reward_power=1.0",
             "--validation.num_samples=4",
             "--validation.max_tokens=16",
