@@ -132,6 +132,7 @@ class Controller:
 
     async def warm_start(self) -> None:
         ws = self.config.warm_start
+        bar = _progress(ws.steps, self.use_tqdm and ws.steps > 0, "warm start")
         for step in range(1, ws.steps + 1):
             first = (step - 1) * ws.batch_size
             samples = [self.environment.train_sample(-1 - first - i) for i in range(ws.batch_size)]
@@ -141,6 +142,9 @@ class Controller:
             metrics = next(iter(out.values()))
             if step % 10 == 0 or step == ws.steps:
                 self.metrics.log(metrics, step - ws.steps)  # warm start logs at steps <= 0
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['warm_start/loss']:.3f}")
+        bar.close()
         await self.trainer.end_warm_start.call()
         if ws.steps:
             await self.sync_weights()
@@ -214,7 +218,7 @@ class Controller:
         await self.warm_start()
         if cfg.validation.interval:
             await self.validate(0)
-        bar = _progress(cfg.training.steps, self.use_tqdm)
+        bar = _progress(cfg.training.steps, self.use_tqdm, "rl")
         for step in range(1, cfg.training.steps + 1):
             m = await self.rl_step(step)
             if cfg.validation.interval and (
@@ -232,8 +236,8 @@ class Controller:
         return {"wall_seconds": time.perf_counter() - t_start}
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, desc: str):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="rl", unit="step", disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit="step", disable=not enabled, dynamic_ncols=True)
 
