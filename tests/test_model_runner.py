@@ -2,8 +2,7 @@ import pytest
 import torch
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 
-from torchtitan_rl.generation.kv_cache import SlotAllocator
-from torchtitan_rl.generation.model_runner import ModelRunner
+from torchtitan_rl.generation.model_runner import ModelRunner, SeqInput
 
 VOCAB = 97
 
@@ -42,54 +41,83 @@ def full_forward_logits(model: Qwen3Model, tokens: torch.Tensor) -> torch.Tensor
     return model(tokens[None])[0].float()
 
 
+def make_runner(model, *, num_blocks=16, block_size=4, max_seq_len=32, dtype=torch.float32):
+    return ModelRunner(
+        model,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_seq_len=max_seq_len,
+        device="cpu",
+        dtype=dtype,
+    )
+
+
 def test_prefill_and_batched_decode_match_full_forward_at_every_position():
     model = tiny_qwen3()
-    runner = ModelRunner(model, max_slots=4, max_seq_len=32, device="cpu", dtype=torch.float32)
+    runner = make_runner(model, num_blocks=24)
     gen = torch.Generator().manual_seed(1)
     prompt_lens, total_len = [1, 5, 9], 20
-    seqs = [torch.randint(0, VOCAB, (total_len,), generator=gen) for _ in prompt_lens]
-    slots = [3, 0, 2]  # not in order, one slot unused
+    seqs = [torch.randint(0, VOCAB, (total_len,), generator=gen).tolist() for _ in prompt_lens]
+    # Scattered, interleaved blocks: the block table, not contiguity, places each token.
+    tables = [[3, 10, 0, 17, 6], [12, 1, 8, 20, 5], [4, 19, 2, 15, 9]]
 
-    logits_BV = runner.prefill(slots, [s[:n] for s, n in zip(seqs, prompt_lens)])
-    steps = [logits_BV]
+    batch = [
+        SeqInput(token_ids=s[:n], start=0, block_table=t)
+        for s, n, t in zip(seqs, prompt_lens, tables)
+    ]
+    steps = [runner.forward(batch)]
     # Decode each sequence from its own prompt end, all in one batch (different lengths).
     for t in range(total_len - max(prompt_lens)):
-        next_B = torch.stack([s[n + t] for s, n in zip(seqs, prompt_lens)])
-        steps.append(runner.decode(slots, next_B))
+        batch = [
+            SeqInput(token_ids=[s[n + t]], start=n + t, block_table=tb)
+            for s, n, tb in zip(seqs, prompt_lens, tables)
+        ]
+        steps.append(runner.forward(batch))
 
     for row, (seq, n) in enumerate(zip(seqs, prompt_lens)):
-        ref_TV = full_forward_logits(model, seq)
+        ref_TV = full_forward_logits(model, torch.tensor(seq))
         got_TV = torch.stack([step[row] for step in steps])
         positions = range(n - 1, n - 1 + len(steps))
         torch.testing.assert_close(got_TV, ref_TV[list(positions)], atol=1e-5, rtol=1e-5)
 
 
-def test_prefill_in_a_reused_slot_forgets_the_old_sequence():
+def test_mixed_batch_prefill_runs_before_decode_reading_shared_blocks():
     model = tiny_qwen3()
-    runner = ModelRunner(model, max_slots=1, max_seq_len=16, device="cpu", dtype=torch.float32)
-    runner.prefill([0], [torch.arange(10)])
-    runner.decode([0], torch.tensor([3]))
-    prompt = torch.tensor([5, 6, 7])
-    got_V = runner.prefill([0], [prompt])[0]
-    torch.testing.assert_close(got_V, full_forward_logits(model, prompt)[-1], atol=1e-5, rtol=0)
+    runner = make_runner(model)
+    tokens = list(range(10, 19))  # 9 tokens: blocks [5, 6] full, block 7 partial
+    # Sequence b shares a's first two blocks, which a writes in this same forward.
+    a = SeqInput(token_ids=tokens, start=0, block_table=[5, 6, 7])
+    b = SeqInput(token_ids=[tokens[8]], start=8, block_table=[5, 6, 2])
+    logits_BV = runner.forward([b, a])
+    ref_V = full_forward_logits(model, torch.tensor(tokens))[-1]
+    torch.testing.assert_close(logits_BV[0], ref_V, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits_BV[1], ref_V, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_path_matches_padded_path():
+    model = tiny_qwen3()
+    runner = make_runner(model)
+    runner.forward([SeqInput(token_ids=list(range(7)), start=0, block_table=[1, 2])])
+    decode_V = runner.forward([SeqInput(token_ids=[7], start=7, block_table=[1, 2])])[0]
+    padded_V = runner._forward_padded([SeqInput(token_ids=[7], start=7, block_table=[1, 2])])[0]
+    torch.testing.assert_close(decode_V, padded_V, atol=1e-5, rtol=1e-5)
 
 
 def test_load_state_dict_copies_weights_in_place():
-    runner = ModelRunner(
-        tiny_qwen3(0), max_slots=1, max_seq_len=8, device="cpu", dtype=torch.float32
-    )
+    runner = make_runner(tiny_qwen3(0))
     other = tiny_qwen3(1)
     prompt = torch.tensor([1, 2, 3])
     runner.load_state_dict(other.state_dict())
     torch.testing.assert_close(
-        runner.prefill([0], [prompt])[0], full_forward_logits(other, prompt)[-1], atol=1e-5, rtol=0
+        runner.forward([SeqInput(token_ids=prompt.tolist(), start=0, block_table=[0])])[0],
+        full_forward_logits(other, prompt)[-1],
+        atol=1e-5,
+        rtol=0,
     )
 
 
 def test_load_state_dict_rejects_unknown_missing_and_misshaped_weights():
-    runner = ModelRunner(
-        tiny_qwen3(), max_slots=1, max_seq_len=8, device="cpu", dtype=torch.float32
-    )
+    runner = make_runner(tiny_qwen3())
     state = {k: v.clone() for k, v in tiny_qwen3(1).state_dict().items()}
     with pytest.raises(ValueError, match="unknown"):
         runner.load_state_dict({**state, "layers.9.bogus": torch.zeros(1)})
@@ -100,34 +128,22 @@ def test_load_state_dict_rejects_unknown_missing_and_misshaped_weights():
 
 
 def test_decode_past_max_seq_len_is_refused():
-    runner = ModelRunner(
-        tiny_qwen3(), max_slots=1, max_seq_len=4, device="cpu", dtype=torch.float32
-    )
-    runner.prefill([0], [torch.arange(4)])
+    runner = make_runner(tiny_qwen3(), max_seq_len=4)
+    runner.forward([SeqInput(token_ids=[0, 1, 2, 3], start=0, block_table=[0])])
     with pytest.raises(ValueError, match="max_seq_len"):
-        runner.decode([0], torch.tensor([1]))
+        runner.forward([SeqInput(token_ids=[1], start=4, block_table=[0, 1])])
 
 
 def test_bfloat16_runner_stays_close_to_fp32_forward():
     model = tiny_qwen3()
     tokens = torch.arange(12) % VOCAB
     ref_V = full_forward_logits(model, tokens)[-1]
-    runner = ModelRunner(model, max_slots=1, max_seq_len=16, device="cpu", dtype=torch.bfloat16)
-    runner.prefill([0], [tokens[:6]])
+    runner = make_runner(model, dtype=torch.bfloat16)
+    table = [3, 0, 1]
+    runner.forward([SeqInput(token_ids=tokens[:6].tolist(), start=0, block_table=table)])
     for t in range(6, 12):
-        got_V = runner.decode([0], tokens[t : t + 1])[0]
+        got_V = runner.forward([SeqInput(token_ids=[int(tokens[t])], start=t, block_table=table)])[
+            0
+        ]
     assert got_V.dtype == torch.float32
     torch.testing.assert_close(got_V, ref_V, atol=0.1, rtol=0.05)
-
-
-def test_slot_allocator_hands_out_lowest_free_slot_and_refuses_double_use():
-    alloc = SlotAllocator(3)
-    alloc.allocate(alloc.next_free())
-    alloc.allocate(alloc.next_free())
-    assert alloc.num_free == 1 and alloc.next_free() == 2
-    alloc.free(0)
-    assert alloc.next_free() == 0
-    with pytest.raises(ValueError):
-        alloc.allocate(1)
-    with pytest.raises(ValueError):
-        alloc.free(0)

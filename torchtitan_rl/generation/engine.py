@@ -1,16 +1,20 @@
-"""The native generation engine: asyncio front, continuous batching over a KV cache.
+"""The native generation engine: asyncio front, continuous batching over a paged KV cache.
 
-`generate` validates a request, puts it in the inbox and awaits its future. One background
-task (started on the first request, on the running loop) repeats an iteration:
+`generate` validates a request, puts it in the queue and awaits its future. One background
+task (started on the first request, on the running loop) repeats an iteration of explicit
+decisions (`Action`s):
 
-    apply queued weights -> admit inbox into free slots (batched prefill, first token)
-    -> up to `max_steps_per_iteration` batched decode steps over every running sequence,
-       resolving each request as soon as it finishes -> yield to the event loop
+    PULL_WEIGHTS (hot swap: now; drain: once nothing runs) -> ADMIT (queue -> batch)
+    -> up to `max_steps_per_iteration` STEPs (one forward over every running request,
+       resolving each as soon as it finishes) -> yield to the event loop
 
 and sleeps on an event while there is nothing to do. Forwards are synchronous inside the
 task, so nothing else on the loop (a weight update, a new request, `close`) can interleave
-with one. Each request samples with its own generator seeded from `SamplingParams.seed`,
-so its tokens do not depend on what else is in the batch or when it was admitted.
+with one. Under generator tensor parallelism this engine runs on rank 0, which decides and
+broadcasts every action; the other ranks execute them in lockstep (`tp.run_follower`).
+
+Each request samples with its own generator seeded from `SamplingParams.seed`, so its
+tokens do not depend on what else is in the batch or when it was admitted.
 
 No Monarch import here: the generator actor is a thin adapter around this class.
 """
@@ -19,18 +23,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 import torch
 from torchtitan.models.qwen3 import Qwen3Model
 
-from torchtitan_rl.generation.model_runner import ModelRunner
+from torchtitan_rl.generation.block_manager import BlockManager
+from torchtitan_rl.generation.cuda_graphs import DecodeGraphs
+from torchtitan_rl.generation.model_runner import DECODE_ATTENTION, ModelRunner, SeqInput
 from torchtitan_rl.generation.sampling import sample_tokens
+from torchtitan_rl.generation.scheduler import Request, Scheduler
 from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+WEIGHT_SYNC_MODES = ("hot_swap", "drain")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,67 +46,116 @@ class EngineConfig:
     """Native engine settings; TOML section [generator]."""
 
     max_num_seqs: int = 64
-    """Concurrent sequences (KV cache slots), >= 1."""
+    """Concurrent sequences in the running batch, >= 1."""
     max_seq_len: int = 1024
     """Prompt + output tokens per sequence, >= 2; prompts may hold at most max_seq_len - 1."""
     dtype: str = "float32"
     """Weights, activations and KV cache dtype: "float32" | "bfloat16"."""
     max_steps_per_iteration: int = 8
     """Decode steps between yields to the event loop (new requests join at yields), >= 1."""
+    block_size: int = 16
+    """Tokens per KV cache block (the unit of allocation and of prefix reuse), >= 1."""
+    num_blocks: int = 0
+    """KV cache blocks; 0 sizes the cache for max_num_seqs full-length sequences. Fewer
+    blocks admit fewer requests at once and preempt (recompute) when the cache fills; at
+    least ceil(max_seq_len / block_size)."""
+    enable_prefix_cache: bool = True
+    """Reuse cached blocks of earlier sequences whose tokens a new prompt starts with."""
+    weight_sync_mode: str = "hot_swap"
+    """"hot_swap": running requests continue under new weights from their next token;
+    "drain": stop admitting, finish running requests, then swap (never mixes versions)."""
+    reset_prefix_cache_on_sync: bool = True
+    """After a weight pull, forget cached blocks computed under older weights."""
+    recompute_on_sync: bool = False
+    """After a weight pull, re-prefill running requests under the new weights."""
+    decode_attention: str = "auto"
+    """Decode-step attention: "auto" (triton on CUDA, else gather) | "gather" (any device) |
+    "triton" (paged kernel, CUDA only)."""
+    cuda_graphs: bool = True
+    """On a CUDA device, capture the decode step as CUDA graphs (one per batch and context
+    bucket, at engine start); no effect on CPU."""
 
     def validate(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        for name in ("max_num_seqs", "max_steps_per_iteration", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.max_steps_per_iteration < 1:
+        min_blocks = -(-self.max_seq_len // self.block_size)
+        if self.num_blocks != 0 and self.num_blocks < min_blocks:
             raise ValueError(
-                f"max_steps_per_iteration must be >= 1, got {self.max_steps_per_iteration}"
+                f"num_blocks must be 0 or >= ceil(max_seq_len / block_size) = {min_blocks}, "
+                f"got {self.num_blocks}"
+            )
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(
+                f"decode_attention must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}"
+            )
+        if self.weight_sync_mode not in WEIGHT_SYNC_MODES:
+            raise ValueError(
+                f"weight_sync_mode must be one of {WEIGHT_SYNC_MODES}, "
+                f"got {self.weight_sync_mode!r}"
             )
 
+    def total_blocks(self) -> int:
+        return self.num_blocks or self.max_num_seqs * -(-self.max_seq_len // self.block_size)
 
-@dataclass(eq=False, slots=True)
-class _Request:
-    """One admitted-or-queued request and what it has sampled so far."""
 
-    request_id: str
-    prompt_ids: torch.Tensor
-    sampling: SamplingParams
-    future: asyncio.Future[Completion]
-    generator: torch.Generator
-    arrival_s: float
-    slot: int = -1
-    admitted_s: float = 0.0
-    first_token_s: float = 0.0
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    support: list[np.ndarray] = field(default_factory=list)
-    version_min: int = 0
-    version_max: int = 0
+class ActionKind(StrEnum):
+    ADMIT = "admit"
+    STEP = "step"
+    PULL_WEIGHTS = "pull_weights"
+    CLOSE = "close"
+
+
+@dataclass(kw_only=True, slots=True)
+class Action:
+    """One loop decision; rank 0 broadcasts it under TP. STEP carries the forward's inputs,
+    PULL_WEIGHTS the version to apply; ADMIT only changes rank 0's bookkeeping."""
+
+    kind: ActionKind
+    batch: list[SeqInput] | None = None
+    version: int | None = None
 
 
 class Engine:
     """Continuous-batching generation on one device (see the module docstring).
 
-    Call every method from the event loop thread the engine runs on.
+    Call every method from the event loop thread the engine runs on. `tp` (from
+    `tp.TensorParallel`) shards the model over its group; this engine is its rank 0.
     """
 
     def __init__(
-        self, model: Qwen3Model, config: EngineConfig, device: torch.device | str = "cpu"
+        self,
+        model: Qwen3Model,
+        config: EngineConfig,
+        device: torch.device | str = "cpu",
+        tp=None,
     ) -> None:
         config.validate()
         self.config = config
+        self._tp = tp
         self._runner = ModelRunner(
             model,
-            max_slots=config.max_num_seqs,
+            num_blocks=config.total_blocks(),
+            block_size=config.block_size,
             max_seq_len=config.max_seq_len,
             device=device,
             dtype=DTYPES[config.dtype],
+            tp=tp,
+            decode_attention=config.decode_attention,
         )
-        self._inbox: deque[_Request] = deque()
-        self._running: list[_Request] = []
+        # Under TP the step holds collectives; the followers run eagerly, so rank 0 does too.
+        if config.cuda_graphs and self._runner.device.type == "cuda" and tp is None:
+            self._runner.decode_graphs = DecodeGraphs(self._runner, max_batch=config.max_num_seqs)
+        blocks = BlockManager(
+            config.total_blocks(),
+            config.block_size,
+            enable_prefix_cache=config.enable_prefix_cache,
+        )
+        self._sched = Scheduler(blocks, max_num_seqs=config.max_num_seqs)
         self._pending_weights: list[tuple[dict[str, torch.Tensor], int]] = []
         self._version = 0
         self._wake = asyncio.Event()
@@ -110,6 +167,10 @@ class Engine:
         """Version of the weights the engine computes with now."""
         return self._version
 
+    @property
+    def runner(self) -> ModelRunner:
+        return self._runner
+
     async def generate(
         self,
         prompt_ids: np.ndarray,
@@ -120,8 +181,9 @@ class Engine:
     ) -> Completion:
         """Generates one completion. An invalid request comes back as an ERROR completion.
 
-        `session_id` is accepted for the GenerateFn seam (prefix reuse comes later).
-        Raises RuntimeError("engine closed") if the engine is or gets closed.
+        `session_id` needs no special handling: a turn that extends an earlier turn's
+        tokens finds them in the prefix cache by hash. Raises RuntimeError("engine
+        closed") if the engine is or gets closed.
         """
         if self._closed:
             raise RuntimeError("engine closed")
@@ -138,34 +200,33 @@ class Engine:
                 error=error,
             )
         self._ensure_loop()
-        request = _Request(
+        request = Request(
             request_id=request_id,
-            prompt_ids=torch.from_numpy(np.asarray(prompt_ids, dtype=np.int64)),
+            prompt_ids=np.asarray(prompt_ids).astype(np.int64).tolist(),
             sampling=sampling,
             future=asyncio.get_running_loop().create_future(),
             generator=torch.Generator().manual_seed(sampling.seed),
             arrival_s=time.perf_counter(),
         )
-        self._inbox.append(request)
+        self._sched.waiting.append(request)
         self._wake.set()
         return await request.future
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Queues new weights (torchtitan names); the loop copies them in between steps.
-
-        Running requests continue under the new weights. The engine keeps references to
-        the tensors until they are applied, so do not modify them in the meantime.
-        """
+        """Queues new weights (torchtitan names, full tensors); the loop pulls them in as
+        its own action (see `EngineConfig.weight_sync_mode`). The engine keeps references
+        to the tensors until they are applied, so do not modify them in the meantime."""
         if self._closed:
             raise RuntimeError("engine closed")
         self._pending_weights.append((state, version))
         if self._task is None:
-            self._apply_weights()  # no loop yet, so no forward can be running
+            self._execute(Action(kind=ActionKind.PULL_WEIGHTS, version=version))
         else:
             self._wake.set()
 
     async def close(self) -> None:
-        """Fails every outstanding request with RuntimeError("engine closed"), stops the loop."""
+        """Fails every outstanding request with RuntimeError("engine closed"), stops the
+        loop (and, under TP, the follower ranks)."""
         if self._closed:
             return
         self._closed = True
@@ -173,6 +234,8 @@ class Engine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._tp is not None:
+            self._tp.publish(Action(kind=ActionKind.CLOSE))
 
     def _request_error(self, prompt_ids: np.ndarray, sampling: SamplingParams) -> str | None:
         prompt = np.asarray(prompt_ids)
@@ -199,7 +262,7 @@ class Engine:
     async def _loop(self) -> None:
         try:
             while True:
-                if not (self._inbox or self._running or self._pending_weights):
+                if not (self._sched.waiting or self._sched.running or self._pending_weights):
                     self._wake.clear()
                     await self._wake.wait()
                     continue
@@ -210,46 +273,48 @@ class Engine:
             raise
 
     def _iteration(self) -> None:
-        self._apply_weights()
-        self._admit()
+        drain = self.config.weight_sync_mode == "drain"
+        if self._pending_weights and not (drain and self._sched.running):
+            self._execute(
+                Action(kind=ActionKind.PULL_WEIGHTS, version=self._pending_weights[-1][1])
+            )
+        if self._sched.waiting and not (drain and self._pending_weights):
+            self._execute(Action(kind=ActionKind.ADMIT))
         for _ in range(self.config.max_steps_per_iteration):
             self._drop_cancelled()
-            if not self._running:
+            if not self._sched.running:
                 break
-            requests = list(self._running)
-            last_N = torch.tensor([r.token_ids[-1] for r in requests])
-            logits_NV = self._runner.decode([r.slot for r in requests], last_N)
+            self._execute(Action(kind=ActionKind.STEP, batch=self._sched.prepare_step()))
+
+    def _execute(self, action: Action) -> None:
+        if self._tp is not None:
+            self._tp.publish(action)
+        if action.kind == ActionKind.PULL_WEIGHTS:
+            self._pull_weights()
+        elif action.kind == ActionKind.ADMIT:
+            self._sched.admit(time.perf_counter())
+        elif action.kind == ActionKind.STEP:
+            assert action.batch is not None
+            requests = list(self._sched.running)
+            logits_NV = self._runner.forward(action.batch)
+            self._sched.step_done(requests, self._version)
             self._sample(requests, logits_NV)
 
-    def _apply_weights(self) -> None:
+    def _pull_weights(self) -> None:
         for state, version in self._pending_weights:
             self._runner.load_state_dict(state)
             self._version = version
         self._pending_weights.clear()
-
-    def _admit(self) -> None:
-        admitted: list[_Request] = []
-        now = time.perf_counter()
-        while self._inbox and self._runner.kv_cache.allocator.num_free:
-            request = self._inbox.popleft()
-            if request.future.done():  # the caller gave up while it was queued
-                continue
-            request.slot = self._runner.kv_cache.allocate()
-            request.admitted_s = now
-            admitted.append(request)
-        if admitted:
-            logits_NV = self._runner.prefill(
-                [r.slot for r in admitted], [r.prompt_ids for r in admitted]
-            )
-            self._running.extend(admitted)
-            self._sample(admitted, logits_NV)
+        if self.config.reset_prefix_cache_on_sync:
+            self._sched.blocks.reset_prefix_cache()
+        if self.config.recompute_on_sync:
+            self._sched.recompute_running()
 
     def _drop_cancelled(self) -> None:
-        for request in [r for r in self._running if r.future.done()]:
-            self._running.remove(request)
-            self._runner.kv_cache.free(request.slot)
+        for request in [r for r in self._sched.running if r.future.done()]:
+            self._sched.finish(request)
 
-    def _sample(self, requests: list[_Request], logits_NV: torch.Tensor) -> None:
+    def _sample(self, requests: list[Request], logits_NV: torch.Tensor) -> None:
         """Samples the next token of each request, then resolves those that finished."""
         device = logits_NV.device
         params = [r.sampling for r in requests]
@@ -266,33 +331,30 @@ class Engine:
         for i, request in enumerate(requests):
             if not request.token_ids:
                 request.first_token_s = now
-                request.version_min = request.version_max = self._version
             request.token_ids.append(token_ids[i])
             request.logprobs.append(logprobs[i])
-            request.version_min = min(request.version_min, self._version)
-            request.version_max = max(request.version_max, self._version)
+            request.saw_version(self._version)
             if request.sampling.return_support:
                 assert out.support is not None
                 request.support.append(out.support[i].cpu().numpy())
-        inflight = len(self._running)
+        inflight = len(self._sched.running)
         for request in requests:
             reason = self._finish_reason(request)
             if reason is not None:
-                self._running.remove(request)
-                self._runner.kv_cache.free(request.slot)
+                self._sched.finish(request)
                 self._resolve(request, reason, now, inflight)
 
-    def _finish_reason(self, request: _Request) -> FinishReason | None:
+    def _finish_reason(self, request: Request) -> FinishReason | None:
         if request.token_ids[-1] in request.sampling.stop_token_ids:
             return FinishReason.STOP
         num_tokens = len(request.token_ids)
         if num_tokens >= request.sampling.max_tokens:
             return FinishReason.LENGTH
-        if request.prompt_ids.numel() + num_tokens >= self.config.max_seq_len:
+        if len(request.prompt_ids) + num_tokens >= self.config.max_seq_len:
             return FinishReason.LENGTH
         return None
 
-    def _resolve(self, request: _Request, reason: FinishReason, now: float, inflight: int) -> None:
+    def _resolve(self, request: Request, reason: FinishReason, now: float, inflight: int) -> None:
         support_ids = support_offsets = None
         if request.sampling.return_support:
             sizes = [len(s) for s in request.support]
@@ -313,16 +375,14 @@ class Engine:
                 * (request.first_token_s - request.arrival_s),
                 "generator/decode_time_ms": 1e3 * (now - request.first_token_s),
                 "generator/inflight_at_completion": float(inflight),
+                "generator/prefix_hit_tokens": float(request.prefix_hit_tokens),
+                "generator/preemptions": float(request.num_preemptions),
             },
         )
         if not request.future.done():
             request.future.set_result(completion)
 
     def _fail_all(self, message: str) -> None:
-        for request in [*self._inbox, *self._running]:
-            if request.slot >= 0 and request in self._running:
-                self._runner.kv_cache.free(request.slot)
+        for request in self._sched.drop_all():
             if not request.future.done():
                 request.future.set_exception(RuntimeError(message))
-        self._inbox.clear()
-        self._running.clear()

@@ -1,12 +1,16 @@
-"""Key/value cache for the native engine: one contiguous region per sequence slot.
+"""Paged key/value storage: fixed-size blocks of tokens, addressed through block tables.
 
-Every access goes through slot ids and token positions (`write`, `read`) and every
-reservation through `SlotAllocator`, so a paged cache (block table + block allocator) can
-replace this class without touching the model runner's math.
+A sequence's keys/values live in the blocks its block table lists, in order: token at
+position p sits in block `table[p // block_size]`, row `p % block_size`. Which blocks a
+sequence owns (and which it shares with others through the prefix cache) is decided by
+`BlockManager`; this class only stores and gathers.
 
-Shape legend: L = layers, B = sequences in one forward, S = cache positions of one slot,
-M = new tokens written in one forward (flattened over sequences), H = key/value heads,
-D = head dim.
+Layout per layer: `[Hkv, num_blocks * block_size, D]` (head-major), so gathering one
+sequence's blocks gives `[Hkv, S, D]` rows that batched matmuls read without a copy.
+
+Shape legend: L = layers, B = sequences in one forward, N = blocks per block table,
+S = gathered cache positions (N * block_size), M = new tokens written (flattened),
+H = key/value heads, D = head dim.
 """
 
 from __future__ import annotations
@@ -14,95 +18,56 @@ from __future__ import annotations
 import torch
 
 
-class SlotAllocator:
-    """Hands out sequence slots `0 .. num_slots - 1`; the lowest free slot goes first."""
-
-    def __init__(self, num_slots: int) -> None:
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self._num_slots = num_slots
-        self._free: set[int] = set(range(num_slots))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def next_free(self) -> int:
-        """The slot `allocate` should be given next; ValueError when all are taken."""
-        if not self._free:
-            raise ValueError(f"all {self._num_slots} slots are in use")
-        return min(self._free)
-
-    def allocate(self, slot: int) -> None:
-        if slot not in self._free:
-            raise ValueError(f"slot {slot} is in use or outside [0, {self._num_slots})")
-        self._free.remove(slot)
-
-    def free(self, slot: int) -> None:
-        if not 0 <= slot < self._num_slots or slot in self._free:
-            raise ValueError(f"slot {slot} is not allocated")
-        self._free.add(slot)
-
-
-class KVCache:
-    """Keys and values of `max_slots` sequences, up to `max_seq_len` tokens each, per layer.
-
-    Layout per layer: `[max_slots, max_seq_len, H, D]` (token-major, as a paged cache
-    stores blocks). `lengths[slot]` counts the tokens whose keys/values are stored.
-    """
+class PagedKVCache:
+    """Keys and values of `num_blocks` blocks of `block_size` tokens, per layer."""
 
     def __init__(
         self,
         *,
         num_layers: int,
-        max_slots: int,
-        max_seq_len: int,
+        num_blocks: int,
+        block_size: int,
         num_kv_heads: int,
         head_dim: int,
         device: torch.device | str,
         dtype: torch.dtype,
     ) -> None:
-        if max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-        self.max_slots = max_slots
-        self.max_seq_len = max_seq_len
-        self.allocator = SlotAllocator(max_slots)
-        self.lengths = [0] * max_slots
-        shape = (max_slots, max_seq_len, num_kv_heads, head_dim)
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        shape = (num_kv_heads, num_blocks * block_size, head_dim)
         self.k_L = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v_L = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
 
-    def allocate(self) -> int:
-        """Reserves the next free slot for a new, empty sequence and returns its id."""
-        slot = self.allocator.next_free()
-        self.allocator.allocate(slot)
-        self.lengths[slot] = 0
-        return slot
+    def slots(self, table_BN: torch.Tensor, pos_BT: torch.Tensor) -> torch.Tensor:
+        """Flat cache row of each (sequence, position): `table[p // bs] * bs + p % bs`."""
+        bs = self.block_size
+        return table_BN.gather(1, pos_BT // bs) * bs + pos_BT % bs
 
-    def free(self, slot: int) -> None:
-        self.allocator.free(slot)
-        self.lengths[slot] = 0
+    def write(self, layer: int, slot_M: torch.Tensor, k_MHD: torch.Tensor, v_MHD: torch.Tensor):
+        """Stores one key/value per flat cache row."""
+        self.k_L[layer].index_copy_(1, slot_M, k_MHD.transpose(0, 1).to(self.dtype))
+        self.v_L[layer].index_copy_(1, slot_M, v_MHD.transpose(0, 1).to(self.dtype))
 
-    def write(
-        self,
-        layer: int,
-        slot_M: torch.Tensor,
-        pos_M: torch.Tensor,
-        k_MHD: torch.Tensor,
-        v_MHD: torch.Tensor,
-    ) -> None:
-        """Stores one key/value per (slot, position) pair."""
-        self.k_L[layer][slot_M, pos_M] = k_MHD.to(self.k_L[layer].dtype)
-        self.v_L[layer][slot_M, pos_M] = v_MHD.to(self.v_L[layer].dtype)
+    def rows(self, table_BN: torch.Tensor) -> torch.Tensor:
+        """Flat cache rows of every position each table covers, `[B, S]` (S = N * bs)."""
+        bs = self.block_size
+        offsets = torch.arange(bs, device=table_BN.device)
+        return (table_BN[:, :, None] * bs + offsets).flatten(1)
 
-    def read(
-        self, layer: int, slot_B: torch.Tensor, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values at positions `[0, length)` of each slot, `[B, length, H, D]` each.
+    def gather(self, layer: int, rows_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at the given flat rows, `[H, B, S, D]` each.
 
-        Positions at or past a slot's own length hold stale data; the caller masks them.
+        Rows past a sequence's own length hold stale data (or another sequence's: padded
+        table entries point anywhere); the caller masks them by position.
         """
-        assert 0 < length <= self.max_seq_len, length
-        k_BSHD = self.k_L[layer][:, :length].index_select(0, slot_B)
-        v_BSHD = self.v_L[layer][:, :length].index_select(0, slot_B)
-        return k_BSHD, v_BSHD
+        B, S = rows_BS.shape
+        H, _, D = self.k_L[layer].shape
+        flat = rows_BS.reshape(-1)
+        k_HBSD = self.k_L[layer].index_select(1, flat).view(H, B, S, D)
+        v_HBSD = self.v_L[layer].index_select(1, flat).view(H, B, S, D)
+        return k_HBSD, v_HBSD

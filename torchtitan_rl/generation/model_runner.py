@@ -1,131 +1,149 @@
-"""Runs torchtitan's Qwen3 against a KV cache: batched prefill and batched decode.
+"""Runs torchtitan's Qwen3 against a paged KV cache: one forward over many sequences.
 
 torchtitan's model has no KV cache, so this module reuses the model's own submodules and
-weights (embeddings, norms, projections, q/k norms, feed-forward, rotary table builder and
-`apply_rotary_emb`) and only replaces the attention call: queries attend to the cached keys
-of their own slot through SDPA with an explicit mask. Same weights, same math as the
+weights (embeddings, norms, projections, q/k norms, feed-forward, rotary table and
+`apply_rotary_emb`) and only replaces the attention call: each query attends to the cached
+keys of its own sequence, gathered through its block table. Same weights, same math as the
 training forward, so generator and trainer log-probs agree.
 
+Two paths over the same cache:
+- padded (any number of new tokens per sequence: prefill, recompute): SDPA with a mask;
+- decode (one new token per sequence): static shapes and no host syncs, so it can be
+  captured in a CUDA graph per batch bucket (`cuda_graphs.py`).
+Under tensor parallelism (`tp.py`) the runner shards the model and adds an all-reduce
+after the attention output and feed-forward projections.
+
 Shape legend: B = sequences in this forward, T = new tokens per sequence (padded),
-S = cache positions read (longest sequence after this forward), M = real new tokens over
-all sequences, E = model dim, Hq / Hkv = query / key-value heads, D = head dim, V = vocab.
+N = blocks per block table, S = gathered cache positions (N * block_size), E = model dim,
+Hq / Hkv = query / key-value heads (G = Hq / Hkv), D = head dim, V = vocab.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torchtitan.models.qwen3 import Qwen3Model
 from torchtitan.models.qwen3.model.model import apply_rotary_emb, precompute_rope_cache
 
-from torchtitan_rl.generation.kv_cache import KVCache
+from torchtitan_rl.generation.kv_cache import PagedKVCache
+from torchtitan_rl.generation.paged_attention import paged_decode_attention
+
+DECODE_ATTENTION = ("auto", "gather", "triton")
+"""Decode attention: "gather" (blocks gathered, batched matmuls; any device), "triton"
+(reads the paged cache in place; CUDA only; 3.9x the engine throughput of "gather" on an
+H200, scripts/bench_generate.py) or "auto" (triton on CUDA, else gather)."""
 
 
 @dataclass(kw_only=True, slots=True)
-class _StepLayout:
-    """Where the new tokens of one forward sit in the cache, shared by all layers."""
+class SeqInput:
+    """One sequence's share of a forward; plain lists, so it pickles for TP broadcasts.
 
-    slot_B: torch.Tensor
-    """Cache slot of each sequence, int64."""
-    pos_BT: torch.Tensor
-    """Absolute position of each new token (padding reuses a real position), int64."""
-    slot_M: torch.Tensor
-    """Slot of each real new token, int64."""
-    pos_M: torch.Tensor
-    """Position of each real new token, int64."""
-    valid_BT: torch.Tensor
-    """True on real (non-padding) new tokens."""
-    mask_B1TS: torch.Tensor
-    """Attention mask: True where a query may attend a cached key (causal, own slot)."""
-    read_len: int
-    """Cache positions to read: the longest sequence length after this forward."""
+    Example: a 5-token prompt with 4 tokens cached in block 7 (block_size 4) prefills
+    `token_ids=[p4], start=4, block_table=[7, 2]`; its next decode step is
+    `token_ids=[a0], start=5, block_table=[7, 2]`.
+    """
+
+    token_ids: list[int]
+    """New tokens fed this forward, at positions start, start + 1, ..."""
+    start: int
+    """Positions whose keys/values are already in the cache."""
+    block_table: list[int]
+    """Cache blocks of this sequence, covering at least start + len(token_ids) tokens."""
 
 
 class ModelRunner:
-    """Prefill and decode for many sequence slots at once.
-
-    Takes ownership of `model`: it is moved to `device` and cast to `dtype` in place, so
-    `load_state_dict` updates the weights this runner computes with. The rotary table is
-    rebuilt in fp32 (as training keeps it) for `max_seq_len` positions.
-    """
+    """Forwards over a paged cache. Takes ownership of `model` (moved and cast in place)."""
 
     def __init__(
         self,
         model: Qwen3Model,
         *,
-        max_slots: int,
+        num_blocks: int,
+        block_size: int,
         max_seq_len: int,
         device: torch.device | str,
         dtype: torch.dtype,
+        tp=None,
+        decode_attention: str = "auto",
     ) -> None:
         args = model.model_args
-        if max_slots < 1:
-            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
         self.device = torch.device(device)
+        if tp is not None:
+            tp.shard_model(model)
         self.model = model.to(device=self.device, dtype=dtype)
         self.max_seq_len = max_seq_len
         self.vocab_size = args.vocab_size
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_seq_len // block_size)
+        self._tp = tp
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(
+                f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}"
+            )
+        if decode_attention == "triton" and self.device.type != "cuda":
+            raise ValueError(f'decode_attention="triton" needs a CUDA device, got {self.device}')
+        if decode_attention == "auto":
+            decode_attention = "triton" if self.device.type == "cuda" else "gather"
+        self.decode_attention = decode_attention
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._rope_cache = precompute_rope_cache(args.head_dim, max_seq_len, args.rope_theta).to(
             self.device
         )
-        with torch.inference_mode():
-            self.kv_cache = KVCache(
-                num_layers=args.n_layers,
-                max_slots=max_slots,
-                max_seq_len=max_seq_len,
-                num_kv_heads=args.n_kv_heads or args.n_heads,
-                head_dim=args.head_dim,
-                device=self.device,
-                dtype=dtype,
-            )
+        attn = next(iter(self.model.layers.values())).attention
+        # One extra block: padding rows of a captured decode batch write there.
+        self.scratch_block = num_blocks
+        self.kv_cache = PagedKVCache(
+            num_layers=args.n_layers,
+            num_blocks=num_blocks + 1,
+            block_size=block_size,
+            num_kv_heads=attn.wk.weight.shape[0] // args.head_dim,
+            head_dim=args.head_dim,
+            device=self.device,
+            dtype=dtype,
+        )
+        self.decode_graphs = None  # set by cuda_graphs.DecodeGraphs
 
     @torch.inference_mode()
-    def prefill(self, slot_ids: list[int], prompts: list[torch.Tensor]) -> torch.Tensor:
-        """Starts a new sequence in each slot from its prompt; returns fp32 logits `[n, V]`
-        at each prompt's last position. Prompts of different lengths are right-padded."""
-        if len(slot_ids) != len(prompts) or not prompts:
-            raise ValueError(
-                f"prefill needs one prompt per slot, got {len(slot_ids)} slots and "
-                f"{len(prompts)} prompts"
-            )
-        lengths = [int(p.numel()) for p in prompts]
-        for slot, n in zip(slot_ids, lengths):
-            if not 1 <= n <= self.max_seq_len:
-                raise ValueError(f"prompt length must be in [1, {self.max_seq_len}], got {n}")
-            self._check_slot(slot)
-            self.kv_cache.lengths[slot] = 0
-        tokens_BT = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            tokens_BT[row, : lengths[row]] = prompt.reshape(-1).to(torch.long)
-        return self._forward(slot_ids, tokens_BT.to(self.device), lengths)
-
-    @torch.inference_mode()
-    def decode(self, slot_ids: list[int], token_ids: torch.Tensor) -> torch.Tensor:
-        """Appends one token to each slot's sequence; returns fp32 next-token logits `[n, V]`."""
-        if len(slot_ids) != token_ids.numel() or not slot_ids:
-            raise ValueError(
-                f"decode needs one token per slot, got {len(slot_ids)} slots and "
-                f"{token_ids.numel()} tokens"
-            )
-        for slot in slot_ids:
-            self._check_slot(slot)
-            if self.kv_cache.lengths[slot] >= self.max_seq_len:
-                raise ValueError(f"slot {slot} already holds max_seq_len={self.max_seq_len}")
-        tokens_BT = token_ids.reshape(-1, 1).to(device=self.device, dtype=torch.long)
-        return self._forward(slot_ids, tokens_BT, [1] * len(slot_ids))
+    def forward(self, batch: list[SeqInput]) -> torch.Tensor:
+        """Feeds each sequence its new tokens; returns fp32 logits `[B, V]` at each
+        sequence's last new token, valid until the next forward. Multi-token sequences run first, so a sequence that
+        shares blocks with one prefilled in this batch reads them already written."""
+        if not batch:
+            raise ValueError("forward needs at least one sequence")
+        for seq in batch:
+            end = seq.start + len(seq.token_ids)
+            if not seq.token_ids or end > self.max_seq_len:
+                raise ValueError(
+                    f"a sequence must feed >= 1 token and end at <= max_seq_len="
+                    f"{self.max_seq_len}, got {len(seq.token_ids)} tokens ending at {end}"
+                )
+            if len(seq.block_table) * self.block_size < end:
+                raise ValueError(f"block table of {len(seq.block_table)} blocks < {end} tokens")
+        multi = [i for i, s in enumerate(batch) if len(s.token_ids) > 1]
+        if not multi:  # the common decode step; may be a view of a CUDA graph's output
+            return self._decode(batch)
+        single = [i for i, s in enumerate(batch) if len(s.token_ids) == 1]
+        logits_BV = torch.empty(len(batch), self.vocab_size, device=self.device)
+        logits_BV[multi] = self._forward_padded([batch[i] for i in multi])
+        if single:
+            logits_BV[single] = self._decode([batch[i] for i in single])
+        return logits_BV
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copies every weight in place (torchtitan names, e.g. `layers.0.attention.wq.weight`).
 
+        Under TP the state holds full tensors; each rank keeps its shard.
         The state must cover every parameter (a tied parameter under either name); tensors
         must be plain (call `full_tensor()` on DTensors first) and may be any dtype/device.
         """
+        if self._tp is not None:
+            state = self._tp.shard_state(state)
         unknown = sorted(set(state) - set(self._params))
         if unknown:
             raise ValueError(f"state has unknown parameter names: {unknown[:5]}")
@@ -142,57 +160,105 @@ class ModelRunner:
                 )
             param.copy_(tensor)
 
-    def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.kv_cache.max_slots:
-            raise ValueError(f"slot id must be in [0, {self.kv_cache.max_slots}), got {slot}")
+    def decode_inputs(self, batch: list[SeqInput], num_rows: int, num_blocks: int):
+        """Host-built decode tensors padded to `num_rows` rows and `num_blocks` table
+        columns; padding rows write into the scratch block."""
+        tokens_B = np.zeros(num_rows, dtype=np.int64)
+        pos_B = np.zeros(num_rows, dtype=np.int64)
+        table_BN = np.full((num_rows, num_blocks), self.scratch_block, dtype=np.int64)
+        for row, seq in enumerate(batch):
+            tokens_B[row] = seq.token_ids[0]
+            pos_B[row] = seq.start
+            table = seq.block_table[:num_blocks]
+            table_BN[row, : len(table)] = table
+        return torch.from_numpy(tokens_B), torch.from_numpy(pos_B), torch.from_numpy(table_BN)
 
-    def _layout(self, slot_ids: list[int], new_lens: list[int], num_new: int) -> _StepLayout:
-        device = self.device
-        start_B = torch.tensor([self.kv_cache.lengths[s] for s in slot_ids], device=device)
-        new_len_B = torch.tensor(new_lens, device=device)
-        total = [self.kv_cache.lengths[s] + n for s, n in zip(slot_ids, new_lens)]
-        assert max(total) <= self.max_seq_len, total
-        t_T = torch.arange(num_new, device=device)
-        valid_BT = t_T[None, :] < new_len_B[:, None]
-        # Padding tokens reuse the row's first real position: in range for the rotary
-        # table, never written to the cache, and their outputs are dropped.
-        pos_BT = torch.where(valid_BT, start_B[:, None] + t_T[None, :], start_B[:, None])
-        slot_B = torch.tensor(slot_ids, device=device)
-        read_len = max(total)
-        key_pos_S = torch.arange(read_len, device=device)
-        # Query at position q sees its slot's keys at positions <= q; everything past the
-        # slot's own length is excluded because q < that length.
-        mask_B1TS = (key_pos_S[None, None, :] <= pos_BT[:, :, None])[:, None]
-        return _StepLayout(
-            slot_B=slot_B,
-            pos_BT=pos_BT,
-            slot_M=slot_B[:, None].expand_as(pos_BT)[valid_BT],
-            pos_M=pos_BT[valid_BT],
-            valid_BT=valid_BT,
-            mask_B1TS=mask_B1TS,
-            read_len=read_len,
+    def _decode(self, batch: list[SeqInput]) -> torch.Tensor:
+        num_blocks = max(s.start // self.block_size + 1 for s in batch)
+        if self.decode_graphs is not None:
+            return self.decode_graphs.run(batch, num_blocks)
+        tokens_B, pos_B, table_BN = self.decode_inputs(batch, len(batch), num_blocks)
+        return self.decode_step(
+            tokens_B.to(self.device), pos_B.to(self.device), table_BN.to(self.device)
         )
 
-    def _forward(
-        self, slot_ids: list[int], tokens_BT: torch.Tensor, new_lens: list[int]
+    def decode_step(
+        self, tokens_B: torch.Tensor, pos_B: torch.Tensor, table_BN: torch.Tensor
     ) -> torch.Tensor:
-        model = self.model
-        layout = self._layout(slot_ids, new_lens, tokens_BT.shape[1])
-        h_BTE = model.tok_embeddings(tokens_BT)
-        for layer_idx, layer in enumerate(model.layers.values()):
-            x_BTE = layer.attention_norm(h_BTE)
-            h_BTE = h_BTE + self._attention(layer_idx, layer.attention, x_BTE, layout)
-            ffn = layer.moe if layer.moe_enabled else layer.feed_forward
-            h_BTE = h_BTE + ffn(layer.ffn_norm(h_BTE))
-        for slot, n in zip(slot_ids, new_lens):
-            self.kv_cache.lengths[slot] += n
-        last_B = torch.tensor(new_lens, device=self.device) - 1
-        h_BE = h_BTE[torch.arange(len(slot_ids), device=self.device), last_B]
-        return model.output(model.norm(h_BE)).float()
+        """One token per row, static shapes, no host syncs: CUDA-graph capturable."""
+        cache = self.kv_cache
+        slot_B = cache.slots(table_BN, pos_B[:, None]).squeeze(1)
+        gather = self.decode_attention == "gather"
+        if gather:
+            rows_BS = cache.rows(table_BN)
+            key_pos_S = torch.arange(rows_BS.shape[1], device=self.device)
+            mask_BS = key_pos_S[None, :] <= pos_B[:, None]
+        h_BE = self.model.tok_embeddings(tokens_B)
+        for layer_idx, layer in enumerate(self.model.layers.values()):
+            attn = layer.attention
+            q_BTHD, k_BTHD, v_BTHD = self._qkv(
+                attn, layer.attention_norm(h_BE[:, None]), pos_B[:, None]
+            )
+            cache.write(layer_idx, slot_B, k_BTHD[:, 0], v_BTHD[:, 0])
+            if gather:
+                k_HBSD, v_HBSD = cache.gather(layer_idx, rows_BS)
+                out_BHqD = _decode_attention(q_BTHD[:, 0], k_HBSD, v_HBSD, mask_BS, attn.scaling)
+            else:
+                out_BHqD = paged_decode_attention(
+                    q_BTHD[:, 0],
+                    cache.k_L[layer_idx],
+                    cache.v_L[layer_idx],
+                    table_BN,
+                    pos_B,
+                    block_size=self.block_size,
+                    scale=attn.scaling,
+                )
+            h_BE = h_BE + self._reduce(attn.wo(out_BHqD.flatten(1)))
+            h_BE = h_BE + self._reduce(self._ffn(layer, h_BE))
+        return self.model.output(self.model.norm(h_BE)).float()
 
-    def _attention(
-        self, layer_idx: int, attn: torch.nn.Module, x_BTE: torch.Tensor, layout: _StepLayout
-    ) -> torch.Tensor:
+    def _forward_padded(self, batch: list[SeqInput]) -> torch.Tensor:
+        device, cache = self.device, self.kv_cache
+        lens = [len(s.token_ids) for s in batch]
+        B, T = len(batch), max(lens)
+        N = max(-(-(s.start + n) // self.block_size) for s, n in zip(batch, lens))
+        tokens_BT = torch.zeros(B, T, dtype=torch.long)
+        table_BN = torch.zeros(B, N, dtype=torch.long)
+        for row, seq in enumerate(batch):
+            tokens_BT[row, : lens[row]] = torch.tensor(seq.token_ids)
+            table_BN[row, : min(N, len(seq.block_table))] = torch.tensor(seq.block_table[:N])
+        tokens_BT, table_BN = tokens_BT.to(device), table_BN.to(device)
+        start_B = torch.tensor([s.start for s in batch], device=device)
+        len_B = torch.tensor(lens, device=device)
+        t_T = torch.arange(T, device=device)
+        valid_BT = t_T[None, :] < len_B[:, None]
+        # Padding tokens reuse the row's first position: in range for the rotary table,
+        # never written to the cache, and their outputs are dropped.
+        pos_BT = torch.where(valid_BT, start_B[:, None] + t_T[None, :], start_B[:, None])
+        slot_M = cache.slots(table_BN, pos_BT)[valid_BT]
+        rows_BS = cache.rows(table_BN)
+        key_pos_S = torch.arange(rows_BS.shape[1], device=device)
+        mask_B1TS = (key_pos_S[None, None, :] <= pos_BT[:, :, None])[:, None]
+        h_BTE = self.model.tok_embeddings(tokens_BT)
+        for layer_idx, layer in enumerate(self.model.layers.values()):
+            attn = layer.attention
+            q_BTHD, k_BTHD, v_BTHD = self._qkv(attn, layer.attention_norm(h_BTE), pos_BT)
+            cache.write(layer_idx, slot_M, k_BTHD[valid_BT], v_BTHD[valid_BT])
+            k_HBSD, v_HBSD = cache.gather(layer_idx, rows_BS)
+            group = q_BTHD.shape[2] // k_HBSD.shape[0]
+            out_BHTD = F.scaled_dot_product_attention(
+                q_BTHD.transpose(1, 2),
+                k_HBSD.transpose(0, 1).repeat_interleave(group, dim=1).to(q_BTHD.dtype),
+                v_HBSD.transpose(0, 1).repeat_interleave(group, dim=1).to(q_BTHD.dtype),
+                attn_mask=mask_B1TS,
+                scale=attn.scaling,
+            )
+            h_BTE = h_BTE + self._reduce(attn.wo(out_BHTD.transpose(1, 2).flatten(2)))
+            h_BTE = h_BTE + self._reduce(self._ffn(layer, h_BTE))
+        h_BE = h_BTE[torch.arange(B, device=device), len_B - 1]
+        return self.model.output(self.model.norm(h_BE)).float()
+
+    def _qkv(self, attn: torch.nn.Module, x_BTE: torch.Tensor, pos_BT: torch.Tensor):
         B, T, _ = x_BTE.shape
         q_BTHD = attn.wq(x_BTE).view(B, T, -1, attn.head_dim)
         k_BTHD = attn.wk(x_BTE).view(B, T, -1, attn.head_dim)
@@ -201,21 +267,39 @@ class ModelRunner:
             q_BTHD = attn.q_norm(q_BTHD)
         if attn.k_norm is not None:
             k_BTHD = attn.k_norm(k_BTHD)
-        q_BTHD, k_BTHD = apply_rotary_emb(q_BTHD, k_BTHD, self._rope_cache, layout.pos_BT)
-        self.kv_cache.write(
-            layer_idx,
-            layout.slot_M,
-            layout.pos_M,
-            k_BTHD[layout.valid_BT],
-            v_BTHD[layout.valid_BT],
-        )
-        k_BSHD, v_BSHD = self.kv_cache.read(layer_idx, layout.slot_B, layout.read_len)
-        out_BHTD = F.scaled_dot_product_attention(
-            q_BTHD.transpose(1, 2),
-            k_BSHD.transpose(1, 2).to(q_BTHD.dtype),
-            v_BSHD.transpose(1, 2).to(q_BTHD.dtype),
-            attn_mask=layout.mask_B1TS,
-            scale=attn.scaling,
-            enable_gqa=attn.enable_gqa,
-        )
-        return attn.wo(out_BHTD.transpose(1, 2).reshape(B, T, -1))
+        q_BTHD, k_BTHD = apply_rotary_emb(q_BTHD, k_BTHD, self._rope_cache, pos_BT)
+        return q_BTHD, k_BTHD, v_BTHD
+
+    def _ffn(self, layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        ffn = layer.moe if layer.moe_enabled else layer.feed_forward
+        return ffn(layer.ffn_norm(h))
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self._tp is not None:
+            self._tp.all_reduce(x)
+        return x
+
+
+def _decode_attention(
+    q_BHqD: torch.Tensor,
+    k_HBSD: torch.Tensor,
+    v_HBSD: torch.Tensor,
+    mask_BS: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence over its gathered keys; query head h uses key head h // G.
+
+    Keys stay in the cache's head-major layout, so both matmuls read them without a copy;
+    scores and softmax run in fp32.
+    """
+    B, Hq, D = q_BHqD.shape
+    Hkv, _, S, _ = k_HBSD.shape
+    G = Hq // Hkv
+    q_XGD = q_BHqD.view(B, Hkv, G, D).transpose(0, 1).reshape(Hkv * B, G, D)
+    k_XSD = k_HBSD.reshape(Hkv * B, S, D).to(q_BHqD.dtype)
+    v_XSD = v_HBSD.reshape(Hkv * B, S, D).to(q_BHqD.dtype)
+    scores_XGS = torch.bmm(q_XGD, k_XSD.transpose(1, 2)).float() * scale
+    mask_XGS = mask_BS.repeat(Hkv, 1)[:, None, :]
+    probs_XGS = torch.softmax(scores_XGS.masked_fill(~mask_XGS, float("-inf")), dim=-1)
+    out_XGD = torch.bmm(probs_XGS.to(v_XSD.dtype), v_XSD)
+    return out_XGD.view(Hkv, B, G, D).transpose(0, 1).reshape(B, Hq, D)

@@ -1,0 +1,168 @@
+"""Paged cache, prefix reuse, preemption and weight-pull modes of the Engine (CPU, tiny)."""
+
+import asyncio
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from test_engine import GREEDY, make_engine, prompt, run, tiny_qwen3, yield_loop
+
+from torchtitan_rl.generation.engine import EngineConfig
+from torchtitan_rl.types import SamplingParams
+
+SAMPLED = SamplingParams(temperature=1.0, top_k=40, max_tokens=10)
+
+
+def generate_all(engine, prompts, samplings):
+    async def main():
+        outs = await asyncio.gather(
+            *(
+                engine.generate(p, request_id=str(i), sampling=s)
+                for i, (p, s) in enumerate(zip(prompts, samplings))
+            )
+        )
+        await engine.close()
+        return outs
+
+    return run(main())
+
+
+def assert_same(got, ref):
+    np.testing.assert_array_equal(got.token_ids_N, ref.token_ids_N)
+    np.testing.assert_allclose(got.logprobs_N, ref.logprobs_N, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_next_turn_of_a_session_reuses_cached_blocks_with_cold_run_logprobs(sampling):
+    first = prompt(10)
+
+    async def two_turns(engine):
+        turn1 = await engine.generate(first, request_id="t1", session_id="s", sampling=sampling)
+        second = np.concatenate([first, turn1.token_ids_N, prompt(3, 5)]).astype(np.int32)
+        turn2 = await engine.generate(second, request_id="t2", session_id="s", sampling=sampling)
+        await engine.close()
+        return second, turn2
+
+    second, warm = run(two_turns(make_engine(block_size=4)))
+    [cold] = generate_all(
+        make_engine(block_size=4, enable_prefix_cache=False), [second], [sampling]
+    )
+    assert warm.metrics["generator/prefix_hit_tokens"] == 4 * ((len(second) - 1) // 4) - 4
+    assert cold.metrics["generator/prefix_hit_tokens"] == 0
+    assert_same(warm, cold)
+
+
+def test_group_siblings_share_the_prompt_blocks_in_the_same_step():
+    group_prompt = prompt(13)
+    samplings = [replace(SAMPLED, seed=s) for s in range(4)]
+    warm = generate_all(make_engine(block_size=4), [group_prompt] * 4, samplings)
+    cold = generate_all(
+        make_engine(block_size=4, enable_prefix_cache=False), [group_prompt] * 4, samplings
+    )
+    hits = [c.metrics["generator/prefix_hit_tokens"] for c in warm]
+    assert hits == [0, 12, 12, 12]
+    for got, ref in zip(warm, cold):
+        assert_same(got, ref)
+
+
+def test_full_cache_preempts_and_recomputes_with_unchanged_results():
+    prompts = [prompt(6, i) for i in range(4)]
+    samplings = [
+        replace(GREEDY, max_tokens=30),
+        *[replace(SAMPLED, seed=i, max_tokens=30) for i in range(3)],
+    ]
+    # 12 blocks of 4 = 48 tokens = one full-length sequence: four 36-token requests must
+    # take turns, preempting each other as they grow.
+    tight = generate_all(make_engine(block_size=4, num_blocks=13), prompts, samplings)
+    ample = generate_all(make_engine(block_size=4), prompts, samplings)
+    assert sum(c.metrics["generator/preemptions"] for c in tight) > 0
+    for got, ref in zip(tight, ample):
+        assert_same(got, ref)
+
+
+def reference_logprobs(model, prompt_ids, completion):
+    tokens = torch.from_numpy(np.concatenate([prompt_ids, completion.token_ids_N])).long()
+    with torch.no_grad():
+        logprobs_TV = torch.log_softmax(model(tokens[None])[0].double(), dim=-1)
+    n = len(prompt_ids)
+    return logprobs_TV[n - 1 : -1].gather(1, tokens[n:, None]).squeeze(1).numpy()
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep_kv", "recompute"])
+def test_hot_swap_changes_logprobs_from_the_next_token_and_reports_both_versions(recompute):
+    old, new = tiny_qwen3(0), tiny_qwen3(1)
+    sampling = replace(GREEDY, max_tokens=20)
+
+    async def main():
+        engine = make_engine(max_steps_per_iteration=1, recompute_on_sync=recompute)
+        task = asyncio.create_task(engine.generate(prompt(5), request_id="r", sampling=sampling))
+        await yield_loop(6)
+        engine.load_weights(new.state_dict(), version=1)
+        out = await task
+        await engine.close()
+        return out
+
+    out = run(main())
+    assert (out.policy_version_min, out.policy_version_max) == (0, 1)
+    under_old = reference_logprobs(old, prompt(5), out)
+    under_new = reference_logprobs(new, prompt(5), out)
+    swap = int(np.argmax(np.abs(out.logprobs_N - under_old) > 1e-4))
+    assert 0 < swap < out.num_tokens - 1
+    np.testing.assert_allclose(out.logprobs_N[:swap], under_old[:swap], atol=1e-5)
+    # Recompute re-prefills under the new weights: exactly the new model's log-probs.
+    # Without it, earlier keys/values stay from the old weights.
+    after = np.abs(out.logprobs_N[swap:] - under_new[swap:]).max()
+    assert after < 1e-5 if recompute else after > 1e-4
+
+
+def test_drain_mode_finishes_running_requests_before_swapping_and_never_mixes():
+    sampling = replace(GREEDY, max_tokens=15)
+
+    async def main():
+        engine = make_engine(max_steps_per_iteration=1, weight_sync_mode="drain")
+        early = [
+            asyncio.create_task(
+                engine.generate(prompt(5, i), request_id=f"e{i}", sampling=sampling)
+            )
+            for i in range(2)
+        ]
+        await yield_loop(4)
+        engine.load_weights(tiny_qwen3(1).state_dict(), version=1)
+        late = [
+            asyncio.create_task(
+                engine.generate(prompt(4, i), request_id=f"l{i}", sampling=sampling)
+            )
+            for i in range(2)
+        ]
+        outs = await asyncio.gather(*early, *late)
+        await engine.close()
+        return outs
+
+    outs = run(main())
+    versions = [(c.policy_version_min, c.policy_version_max) for c in outs]
+    assert versions == [(0, 0), (0, 0), (1, 1), (1, 1)]
+
+
+def test_pull_with_reset_prefix_cache_does_not_reuse_old_weight_blocks():
+    async def main(reset):
+        engine = make_engine(block_size=4, reset_prefix_cache_on_sync=reset)
+        await engine.generate(prompt(13), request_id="a", sampling=GREEDY)
+        engine.load_weights(tiny_qwen3(1).state_dict(), version=1)
+        out = await engine.generate(prompt(13), request_id="b", sampling=GREEDY)
+        await engine.close()
+        return out
+
+    kept, reset = run(main(False)), run(main(True))
+    assert kept.metrics["generator/prefix_hit_tokens"] == 12 and kept.policy_version_min == 0
+    assert reset.metrics["generator/prefix_hit_tokens"] == 0
+    assert reset.policy_version_min == reset.policy_version_max == 1
+
+
+def test_engine_config_rejects_bad_sync_mode_and_too_few_blocks():
+    with pytest.raises(ValueError, match="weight_sync_mode"):
+        EngineConfig(weight_sync_mode="sometimes").validate()
+    with pytest.raises(ValueError, match="num_blocks"):
+        EngineConfig(max_seq_len=64, block_size=16, num_blocks=3).validate()
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(block_size=0).validate()

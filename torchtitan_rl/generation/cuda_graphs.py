@@ -1,0 +1,78 @@
+"""CUDA graphs for the decode step: one graph per (batch bucket, block-table bucket).
+
+A decode step of a 0.6B model is hundreds of small kernels; replaying them as one graph
+removes the per-kernel launch cost that otherwise dominates at small batches. Shapes are
+static inside a graph, so a step is padded up to the next batch bucket (padding rows write
+into the runner's scratch block) and its block tables up to the next block bucket (the
+attention reads, and masks, that many cache positions per sequence: buckets keep short
+contexts from paying for the longest).
+
+All graphs share one memory pool and the same static input buffers; their logits outputs
+are separate tensors, valid until the next replay of the same graph.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from torchtitan_rl.generation.model_runner import ModelRunner, SeqInput
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, then every 16 up to max_batch (always included)."""
+    small = [b for b in (1, 2, 4, 8, 16) if b < max_batch]
+    return [*small, *range(32, max_batch, 16), max_batch]
+
+
+def block_buckets(max_blocks: int, step: int) -> list[int]:
+    return [*range(step, max_blocks, step), max_blocks]
+
+
+class DecodeGraphs:
+    """Captures `runner.decode_step` for every bucket pair and replays the matching one."""
+
+    def __init__(self, runner: ModelRunner, *, max_batch: int, block_step: int = 16) -> None:
+        if runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {runner.device}")
+        self.runner = runner
+        self.batches = batch_buckets(max_batch)
+        self.blocks = block_buckets(runner.max_blocks_per_seq, block_step)
+        B, N = self.batches[-1], self.blocks[-1]
+        device = runner.device
+        self._tokens_B = torch.zeros(B, dtype=torch.long, device=device)
+        self._pos_B = torch.zeros(B, dtype=torch.long, device=device)
+        self._table_BN = torch.full((B, N), runner.scratch_block, dtype=torch.long, device=device)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+        self._capture_all()
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        # Largest first, so the pool is sized once by the biggest graph.
+        for b in reversed(self.batches):
+            for n in reversed(self.blocks):
+                args = (self._tokens_B[:b], self._pos_B[:b], self._table_BN[:b, :n])
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self.runner.decode_step(*args)  # warm-up: library handles, workspaces
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = self.runner.decode_step(*args)
+                self._graphs[(b, n)] = (graph, out)
+        torch.cuda.synchronize()
+
+    def run(self, batch: list[SeqInput], num_blocks: int) -> torch.Tensor:
+        """Logits `[len(batch), V]` of one decode step (a view into the graph's output)."""
+        b = self.batches[bisect.bisect_left(self.batches, len(batch))]
+        n = self.blocks[bisect.bisect_left(self.blocks, num_blocks)]
+        tokens_B, pos_B, table_BN = self.runner.decode_inputs(batch, b, n)
+        self._tokens_B[:b].copy_(tokens_B, non_blocking=True)
+        self._pos_B[:b].copy_(pos_B, non_blocking=True)
+        self._table_BN[:b, :n].copy_(table_BN, non_blocking=True)
+        graph, out = self._graphs[(b, n)]
+        graph.replay()
+        return out[: len(batch)]

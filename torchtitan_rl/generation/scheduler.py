@@ -1,0 +1,174 @@
+"""Request bookkeeping: waiting queue, running batch, KV blocks, preemption.
+
+No model math and no asyncio here: the engine asks the scheduler to admit, to prepare a
+step (a list of `SeqInput`s for the model runner) and to record what a step computed.
+
+Token accounting of one request (prompt P, generated A so far):
+    tokens       = P + A
+    num_computed = positions whose keys/values are in the cache
+    pending      = tokens[num_computed:]   (the next forward feeds these)
+After admission `pending` is the uncached part of the prompt (or of P + A after a
+preemption); after every forward it is exactly the last sampled token.
+
+Preemption is by recompute: when a running request needs a block and none is free, the
+most recently admitted request gives back its blocks and returns to the head of the
+queue with what it has generated; on re-admission it prefills P + A (its computed blocks
+are usually still in the prefix cache, so that is cheap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from torchtitan_rl.generation.block_manager import BlockManager
+from torchtitan_rl.generation.model_runner import SeqInput
+from torchtitan_rl.types import SamplingParams
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One queued or running request and what it has sampled so far."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    future: asyncio.Future
+    generator: torch.Generator
+    arrival_s: float
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    support: list[np.ndarray] = field(default_factory=list)
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    admitted_s: float = 0.0
+    first_token_s: float = 0.0
+    prefix_hit_tokens: int = -1
+    """Prompt tokens found in the prefix cache at first admission; -1 before it."""
+    num_preemptions: int = 0
+    version_min: int | None = None
+    version_max: int | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.token_ids
+
+    def pending(self) -> list[int]:
+        """Tokens whose keys/values are not cached yet (see the module docstring)."""
+        n_prompt = len(self.prompt_ids)
+        if self.num_computed >= n_prompt:
+            return self.token_ids[self.num_computed - n_prompt :]
+        return self.tokens[self.num_computed :]
+
+    def saw_version(self, version: int) -> None:
+        self.version_min = version if self.version_min is None else min(self.version_min, version)
+        self.version_max = version if self.version_max is None else max(self.version_max, version)
+
+
+class Scheduler:
+    """FIFO admission under a sequence limit and a block budget."""
+
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        """In admission order: preemption takes from the end."""
+
+    def admit(self, now: float) -> list[Request]:
+        """Moves queued requests into the running batch while sequences and blocks allow;
+        stops at the first that does not fit, so requests start in arrival order."""
+        admitted: list[Request] = []
+        bs = self.blocks.block_size
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.future.done():  # the caller gave up while it was queued
+                self.waiting.popleft()
+                continue
+            tokens = request.tokens
+            request.hashes = self.blocks.chain_hashes(tokens, [])
+            # At least one token must be fed, to get the next-token logits.
+            cached, oldest = self.blocks.match(request.hashes, len(tokens) - 1)
+            new = self.blocks.blocks_needed(len(tokens)) - len(cached)
+            if not self.blocks.can_allocate(cached, new):
+                break
+            self.waiting.popleft()
+            request.block_table = self.blocks.allocate(cached, len(tokens))
+            self.blocks.register(request.block_table, request.hashes)
+            request.num_computed = len(cached) * bs
+            if oldest is not None:
+                request.saw_version(oldest)
+            if request.prefix_hit_tokens < 0:
+                request.prefix_hit_tokens = request.num_computed
+                request.admitted_s = now
+            self.running.append(request)
+            admitted.append(request)
+        return admitted
+
+    def prepare_step(self) -> list[SeqInput]:
+        """Reserves blocks for every running request's pending tokens (preempting from
+        the most recently admitted when short) and returns the forward's inputs."""
+        i = 0
+        while i < len(self.running):
+            request = self.running[i]
+            if self.blocks.grow(
+                request.block_table, len(request.prompt_ids) + len(request.token_ids)
+            ):
+                i += 1
+                continue
+            self.preempt(self.running[-1])
+        return [
+            SeqInput(
+                token_ids=r.pending(),
+                start=r.num_computed,
+                block_table=list(r.block_table),
+            )
+            for r in self.running
+        ]
+
+    def step_done(self, requests: list[Request], version: int) -> None:
+        """Records that a forward wrote every pending token of `requests`."""
+        bs = self.blocks.block_size
+        for request in requests:
+            before = request.num_computed
+            request.num_computed = len(request.prompt_ids) + len(request.token_ids)
+            if request.num_computed // bs > before // bs:  # a block filled up
+                self.blocks.mark_computed(request.block_table, request.num_computed, version)
+                if len(request.hashes) < request.num_computed // bs:
+                    request.hashes = self.blocks.chain_hashes(
+                        request.tokens[: request.num_computed], request.hashes
+                    )
+                    self.blocks.register(request.block_table, request.hashes)
+
+    def preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.block_table)
+        request.num_computed = 0
+        request.hashes = []
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.block_table)
+
+    def recompute_running(self) -> None:
+        """Makes every running request re-feed all its tokens at the next step (after a
+        weight pull); its blocks are rewritten in place."""
+        for request in self.running:
+            self.blocks.invalidate(request.block_table)
+            request.num_computed = 0
+
+    def drop_all(self) -> list[Request]:
+        """Empties the queue and the batch (freeing blocks); returns what was there."""
+        for request in self.running:
+            self.blocks.free(request.block_table)
+        dropped = [*self.waiting, *self.running]
+        self.waiting.clear()
+        self.running.clear()
+        return dropped
