@@ -11,6 +11,17 @@ from torchtitan_rl.rollout.episodes import rollout_to_episodes
 from torchtitan_rl.types import Rollout, RolloutGroup, RolloutStatus
 
 
+GENERATOR_TAGS = (
+    "generator/queue_time_ms",
+    "generator/time_to_first_token_ms",
+    "generator/decode_time_ms",
+    "generator/inflight_at_completion",
+    "generator/prefix_hit_tokens",
+    "generator/preemptions",
+)
+"""Per-completion engine metrics, reduced to mean/std/max per step."""
+
+
 def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
     """Metrics of the rollouts that go into training this step."""
     rollouts = [r for g in groups for r in g.rollouts]
@@ -21,11 +32,14 @@ def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
         summarize("rollout/branches_per_rollout", [len(rollout_to_episodes(r)) for r in valid])
     )
     out.update(
-        summarize("rollout/output_tokens", [t.completion.num_tokens for r in valid for t in r.turns])
+        summarize(
+            "rollout/output_tokens", [t.completion.num_tokens for r in valid for t in r.turns]
+        )
     )
-    for tag in ("generator/queue_time_ms", "generator/time_to_first_token_ms",
-                "generator/decode_time_ms", "generator/inflight_at_completion"):
-        values = [t.completion.metrics[tag] for r in valid for t in r.turns if tag in t.completion.metrics]
+    for tag in GENERATOR_TAGS:
+        values = [
+            t.completion.metrics[tag] for r in valid for t in r.turns if tag in t.completion.metrics
+        ]
         out.update(summarize(tag, values))
     return out
 
@@ -37,8 +51,10 @@ def validation_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     out = {"validation_reward/mean": float(np.mean(rewards)) if rewards else float("nan")}
     turns = max((len(r.turns) for r in rollouts), default=0)
     for t in range(turns):
-        scores = [r.turns[t].reward_signals.get("turn_score", 0.0) if t < len(r.turns) else 0.0
-                  for r in rollouts]
+        scores = [
+            r.turns[t].reward_signals.get("turn_score", 0.0) if t < len(r.turns) else 0.0
+            for r in rollouts
+        ]
         out[f"validation_reward/turn_{t + 1}"] = float(np.mean(scores))
     counts = Counter(r.status for r in rollouts)
     for status in RolloutStatus:
