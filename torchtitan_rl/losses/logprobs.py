@@ -6,7 +6,19 @@
 
 The dense path loops over token chunks: forward keeps only logsumexp, target logit and
 entropy per row; backward recomputes each chunk's logits and forms the exact gradient.
+On CUDA (bf16/fp16/fp32) dense rows go to the Triton kernels of `logprobs_triton.py`
+instead: same outputs and gradients, logits accumulated in fp32 (this path rounds each
+chunk's logits to the input dtype first, as a bf16 matmul returns them).
 With `support` (sampling-mask replay) each row is renormalised over its kept ids instead.
+
+Normalisation domain of the importance ratio exp(trainer - generator): both sides use the
+distribution the token was sampled from, softmax(logits / temperature) restricted to the
+generator's kept support (top-k, then top-p; see generation/sampling.py) and renormalised
+over it. The generator records that support per position (`SamplingParams.return_support`,
+set by the rollouter whenever top-p < 1 or top-k > 0); the trainer passes it as `support`
+and gets log pi_theta(a | s, support). Rows without truncation (an empty support range:
+top-p = 1 and top-k = 0, or greedy) use the full vocabulary on both sides. The entropy of a
+replayed row is that of the same truncated distribution.
 
 Shape suffixes: N = tokens (rows), D = hidden size, V = vocabulary, C = rows of one chunk,
 K = (row, id) entries of the support, E = entries of one chunk of the support.
@@ -46,8 +58,8 @@ def token_logprobs(
         return _support_logprobs(
             hidden_ND, weight_VD, targets_N, support, temperature, chunk_size, with_entropy
         )
-    if _triton_available(hidden_ND.device):
-        # Seam for the fused CUDA kernel: same arguments, same outputs, same gradients.
+    if _triton_serves(hidden_ND):
+        # The fused CUDA kernel: same arguments, same outputs, same gradients.
         from torchtitan_rl.losses import logprobs_triton
 
         return logprobs_triton.token_logprobs(
@@ -61,16 +73,16 @@ def token_logprobs(
     return outputs, None
 
 
-def _triton_available(device: torch.device) -> bool:
-    """Whether a Triton kernel serves this device.
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Input dtypes the Triton kernel takes (tl.dot has no float64 path); others stay dense."""
 
-    The kernel is a later step: it will live in `losses/logprobs_triton.py` and expose
-    `token_logprobs(hidden_ND, weight_VD, targets_N, *, temperature, with_entropy)`. Until
-    that module exists every device takes the chunked PyTorch path.
-    """
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+
+def _triton_serves(hidden_ND: Tensor) -> bool:
+    """Whether `losses/logprobs_triton.py` computes these rows: CUDA, Triton importable, a
+    dtype tl.dot supports, and at least one row (a launch grid cannot be empty)."""
+    if hidden_ND.device.type != "cuda" or hidden_ND.dtype not in TRITON_DTYPES:
         return False
-    return importlib.util.find_spec("torchtitan_rl.losses.logprobs_triton") is not None
+    return hidden_ND.shape[0] > 0 and importlib.util.find_spec("triton") is not None
 
 
 def _check_inputs(

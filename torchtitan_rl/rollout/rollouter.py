@@ -80,6 +80,9 @@ class RolloutConfig:
     def sampling_params(
         self, *, seed: int, max_tokens: int, stop_token_ids: tuple[int, ...]
     ) -> SamplingParams:
+        # A truncated (top-p/top-k) sample is scored on its kept support; the trainer replays
+        # that support so both sides of the importance ratio use the same distribution.
+        truncated = self.temperature > 0 and (self.top_p < 1 or self.top_k > 0)
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
@@ -87,6 +90,7 @@ class RolloutConfig:
             max_tokens=max_tokens,
             stop_token_ids=stop_token_ids,
             seed=seed,
+            return_support=truncated,
         )
 
 
