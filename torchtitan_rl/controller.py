@@ -1,6 +1,8 @@
 """The step loop: spawn trainer and generator meshes, then rollout -> train -> sync, in order.
 
-No tensor math here; every number comes from the actors or the rollout records.
+No tensor math here; every number comes from the actors or the rollout records. A run whose
+folder holds a complete checkpoint continues from it (see `checkpoint_state`); a process
+that dies ends the run with one `ActorFailure` line (see `supervision`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from torchtitan_rl.actors.generator import GeneratorActor
 from torchtitan_rl.actors.trainer import TrainerActor
+from torchtitan_rl.checkpoint_state import CheckpointStore, ControllerState
 from torchtitan_rl.config import Config, to_toml
+from torchtitan_rl.controller_config import check_lengths
 from torchtitan_rl.envs import build_environment
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.renderer import Renderer
@@ -23,8 +27,11 @@ from torchtitan_rl.models.tokenizer import Tokenizer
 from torchtitan_rl.rollout.advantages import compute_advantages
 from torchtitan_rl.rollout.batcher import pack_batch
 from torchtitan_rl.rollout.episodes import rollout_to_episodes
+from torchtitan_rl.rollout.records import write_step_records
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.step_metrics import rollout_metrics, validation_metrics
+from torchtitan_rl.summary import SUMMARY_TAGS
+from torchtitan_rl.supervision import SupervisionError, Supervisor
 from torchtitan_rl.types import Episode, RolloutGroup, SamplingParams
 from torchtitan_rl.warm_start import demonstration_episodes
 
@@ -43,13 +50,19 @@ class ActorGenerateFn:
             return await self.generator.generate.call_one(
                 prompt_ids, request_id, session_id, sampling
             )
-        except Exception as e:  # the actor is gone: the rollout becomes a generator error
+        except SupervisionError:  # the process died: the Supervisor ends the run
+            logger.debug("generate %s: generator died", request_id)
+            return None
+        except Exception as e:  # the call failed: the rollout becomes a generator error
             logger.warning("generate %s failed: %s", request_id, e)
             return None
 
 
 class Controller:
     def __init__(self, config: Config, *, use_tqdm: bool = True):
+        check_lengths(
+            model_max_seq_len=config.model.max_seq_len, batcher_seq_len=config.batcher.seq_len
+        )
         self.config = config
         self.run_dir = Path(config.job.output_dir) / config.job.run_name
         self.tokenizer = Tokenizer.from_file(config.model.hf_checkpoint or None)
@@ -62,13 +75,27 @@ class Controller:
         self.meshes = []
         self.next_sample = 0
         self.last_validation = float("nan")
+        self.store = CheckpointStore(self.run_dir, config.checkpoint.keep_latest)
+        self.supervisor = Supervisor(("trainer", "generator"))
+        self.start_step = 0
+        """The RL step the run continues after (0 for a fresh run, N after step_N)."""
 
     # ---- processes --------------------------------------------------------------------
     async def start(self) -> None:
+        """Spawn the meshes, restore the latest complete checkpoint if there is one, and give
+        the generator the trainer's weights."""
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(cfg))
-        self.metrics = MetricsLogger(self.run_dir)
+        self.store.clean_temp()
+        latest = self.store.latest()
+        state = CheckpointStore.load_state(latest) if latest else None
+        self.start_step = state.step if state else 0
+        # TensorBoard hides events at steps > start_step that a killed run logged earlier
+        self.metrics = MetricsLogger(
+            self.run_dir, purge_step=self.start_step + 1 if state else None
+        )
+        self.supervisor.install()
         gpu = cfg.parallelism.device == "cuda"
         kind = "gpus" if gpu else "procs"
         trainer_procs = this_host().spawn_procs(per_host={kind: cfg.parallelism.trainer_procs})
@@ -98,7 +125,41 @@ class Controller:
             cfg.parallelism.threads(),
         )
         self.generate_fn = ActorGenerateFn(self.generator)
+        if state is not None:
+            await self.restore(latest, state)
         await self.sync_weights()
+
+    # ---- checkpoints ------------------------------------------------------------------
+    async def restore(self, folder: Path, state: ControllerState) -> None:
+        self.supervisor.where = f"while loading {folder}"
+        await self.trainer.load_checkpoint.call(str(folder / "trainer"))
+        self.next_sample = state.next_sample
+        self.last_validation = state.last_validation
+        state.restore_rngs()
+        for tag, series in state.history.items():
+            self.metrics.history[tag] = [(int(s), float(v)) for s, v in series]
+        logger.warning("resuming %s after RL step %d (%s)", self.run_dir, state.step, folder)
+
+    async def save_checkpoint(self, step: int) -> Path:
+        """Trainer ranks write their shards, the controller its JSON; then one rename."""
+        self.supervisor.where = f"while saving the checkpoint of RL step {step}"
+        tmp = self.store.begin(step)
+        await self.trainer.save_checkpoint.call(str(tmp / "trainer"))
+        if self.config.checkpoint.export_hf:
+            await self.export_hf(tmp / "hf")
+        state = ControllerState.capture(
+            step=step,
+            next_sample=self.next_sample,
+            last_validation=self.last_validation,
+            history={t: self.metrics.history.get(t, []) for t in SUMMARY_TAGS},
+        )
+        return self.store.commit(tmp, step, state, to_toml(self.config))
+
+    async def export_hf(self, folder: Path) -> None:
+        cfg = self.config
+        await self.trainer.export_hf.call(
+            str(folder), cfg.model.hf_checkpoint, cfg.checkpoint.export_dtype
+        )
 
     async def sync_weights(self) -> float:
         """Trainer publishes its weights (one packed buffer); the generator loads them."""
@@ -108,16 +169,21 @@ class Controller:
         return time.perf_counter() - t0
 
     async def close(self) -> None:
+        """Stop the actors and meshes (bounded waits: an actor may be dead or stuck)."""
         if hasattr(self, "generator"):
             try:
                 await asyncio.wait_for(self.generator.close.call_one(), timeout=10)
             except Exception as e:
-                logger.warning("generator close: %s", e)
-        for mesh in self.meshes:
+                logger.info("generator close: %s", e)
+
+        async def stop(mesh):
             try:
                 await asyncio.wait_for(mesh.stop(), timeout=10)
             except Exception as e:
                 logger.warning("stopping a proc mesh: %s", e)
+
+        await asyncio.gather(*(stop(mesh) for mesh in self.meshes))
+        self.supervisor.uninstall()  # after the stops: a dying mesh still reports to it
         if hasattr(self, "metrics"):
             self.metrics.close()
 
@@ -132,25 +198,28 @@ class Controller:
 
     async def warm_start(self) -> None:
         ws = self.config.warm_start
-        bar = _progress(ws.steps, self.use_tqdm and ws.steps > 0, "warm start")
-        for step in range(1, ws.steps + 1):
-            first = (step - 1) * ws.batch_size
-            samples = [self.environment.train_sample(-1 - first - i) for i in range(ws.batch_size)]
-            episodes = demonstration_episodes(self.environment, self.renderer, samples)
-            batches, _ = self._pack(episodes)
-            out = await self.trainer.sft_step.call(batches, ws)
-            metrics = next(iter(out.values()))
-            if step % 10 == 0 or step == ws.steps:
-                self.metrics.log(metrics, step - ws.steps)  # warm start logs at steps <= 0
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['warm_start/loss']:.3f}")
-        bar.close()
+        with _progress(ws.steps, self.use_tqdm and ws.steps > 0, "warm start") as bar:
+            for step in range(1, ws.steps + 1):
+                self.supervisor.where = f"during warm-start step {step}"
+                first = (step - 1) * ws.batch_size
+                samples = [
+                    self.environment.train_sample(-1 - first - i) for i in range(ws.batch_size)
+                ]
+                episodes = demonstration_episodes(self.environment, self.renderer, samples)
+                batches, _ = self._pack(episodes)
+                out = await self.trainer.sft_step.call(batches, ws)
+                metrics = next(iter(out.values()))
+                if step % 10 == 0 or step == ws.steps:
+                    self.metrics.log(metrics, step - ws.steps)  # warm start logs at steps <= 0
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['warm_start/loss']:.3f}")
         await self.trainer.end_warm_start.call()
         if ws.steps:
             await self.sync_weights()
 
     async def validate(self, step: int) -> float:
         cfg = self.config
+        self.supervisor.where = f"while validating after RL step {step}"
         samples = self.environment.validation_samples(cfg.validation.num_samples)
         greedy = SamplingParams(
             temperature=0.0,
@@ -172,11 +241,13 @@ class Controller:
 
     async def rl_step(self, step: int) -> dict[str, float]:
         cfg = self.config
+        self.supervisor.where = f"during RL step {step}"
         t0 = time.perf_counter()
         groups, self.next_sample, rollout_stats = await self.rollouter.collect_batch(
             step, self.next_sample, self.generate_fn
         )
         t_gen = time.perf_counter()
+        write_step_records(self.run_dir / "rollouts", step, groups)
         episodes = self._episodes(groups)
         batches, batch_metrics = self._pack(episodes)
         metrics = {**rollout_stats, **batch_metrics, **rollout_metrics(groups)}
@@ -189,7 +260,9 @@ class Controller:
         metrics["perf/sync_seconds"] = await self.sync_weights()
         seconds = time.perf_counter() - t0
         tokens = sum(len(e) for e in episodes)
-        generated = sum(t.completion.num_tokens for g in groups for r in g.rollouts for t in r.turns)
+        generated = sum(
+            t.completion.num_tokens for g in groups for r in g.rollouts for t in r.turns
+        )
         metrics.update(
             {
                 "perf/step_seconds": seconds,
@@ -212,32 +285,50 @@ class Controller:
 
     # ---- the run ----------------------------------------------------------------------
     async def run(self) -> dict[str, float]:
-        cfg = self.config
+        """Start (or resume), warm start, then RL steps until training.steps (or
+        training.stop_after); checkpoints every checkpoint.interval steps and at the end.
+        A dead trainer or generator process raises ActorFailure within seconds."""
         t_start = time.perf_counter()
-        await self.start()
-        await self.warm_start()
-        if cfg.validation.interval:
-            await self.validate(0)
-        bar = _progress(cfg.training.steps, self.use_tqdm, "rl")
-        for step in range(1, cfg.training.steps + 1):
-            m = await self.rl_step(step)
-            if cfg.validation.interval and (
-                step % cfg.validation.interval == 0 or step == cfg.training.steps
-            ):
-                await self.validate(step)
-            bar.update(1)
-            bar.set_postfix(
-                reward=f"{m.get('rollout_reward/mean', float('nan')):.3f}",
-                val=f"{self.last_validation:.3f}",
-                loss=f"{m.get('loss/mean', float('nan')):.4f}",
-                tok_s=f"{m['perf/tokens_per_second']:.0f}",
-            )
-        bar.close()
+        await self.supervisor.watch(self._run())
         return {"wall_seconds": time.perf_counter() - t_start}
+
+    async def _run(self) -> None:
+        cfg = self.config
+        await self.start()
+        if self.start_step == 0:
+            await self.warm_start()
+            if cfg.validation.interval:
+                await self.validate(0)
+        last = cfg.training.steps
+        if cfg.training.stop_after:
+            last = min(last, cfg.training.stop_after)
+        with _progress(cfg.training.steps, self.use_tqdm, "rl") as bar:
+            bar.update(self.start_step)
+            for step in range(self.start_step + 1, last + 1):
+                m = await self.rl_step(step)
+                await self._after_step(step, last)
+                bar.update(1)
+                bar.set_postfix(
+                    reward=f"{m.get('rollout_reward/mean', float('nan')):.3f}",
+                    val=f"{self.last_validation:.3f}",
+                    loss=f"{m.get('loss/mean', float('nan')):.4f}",
+                    tok_s=f"{m['perf/tokens_per_second']:.0f}",
+                )
+        self.supervisor.where = "while exporting the Hugging Face folder"
+        await self.export_hf(self.run_dir / "hf")
+
+    async def _after_step(self, step: int, last: int) -> None:
+        """Validation and checkpoint on their intervals, and both after the final step."""
+        cfg = self.config
+        every = cfg.validation.interval
+        if every and (step % every == 0 or step == cfg.training.steps):
+            await self.validate(step)
+        every = cfg.checkpoint.interval
+        if every and (step % every == 0 or step == last):
+            await self.save_checkpoint(step)
 
 
 def _progress(total: int, enabled: bool, desc: str):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="step", disable=not enabled, dynamic_ncols=True)
-

@@ -79,15 +79,39 @@ class ValidationConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    """TOML section [checkpoint]."""
+    """TOML section [checkpoint]. Checkpoints live in <output_dir>/<run_name>/checkpoints/;
+    starting a run whose folder holds one continues from the latest complete one."""
 
     interval: int = 0
-    """Save trainer and controller state every this many RL steps; 0 disables."""
+    """Save trainer and controller state every this many RL steps, and after the last step
+    of the run (training.steps or training.stop_after); 0 disables checkpoints."""
     keep_latest: int = 2
-    """How many checkpoints to keep."""
+    """How many complete checkpoints to keep (>= 1); older ones are deleted."""
+    export_hf: bool = False
+    """Also write the policy as a Hugging Face folder (hf/) inside each checkpoint. The end
+    of every run writes one to <output_dir>/<run_name>/hf/ regardless."""
+    export_dtype: str = "float32"
+    """Dtype of exported Hugging Face weights: "float32" (exact) or "bfloat16" (half size)."""
 
     def validate(self) -> None:
         if self.interval < 0:
             raise ValueError(f"checkpoint.interval must be >= 0, got {self.interval}")
         if self.keep_latest < 1:
             raise ValueError(f"checkpoint.keep_latest must be >= 1, got {self.keep_latest}")
+        if self.export_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"checkpoint.export_dtype must be float32 or bfloat16, got {self.export_dtype!r}"
+            )
+
+
+def check_lengths(*, model_max_seq_len: int, batcher_seq_len: int) -> None:
+    """Cross-section length rules a single section cannot check; ValueError names both keys.
+
+    The trainer's rotary cache covers model.max_seq_len positions and a packed row holds one
+    document of up to batcher.seq_len positions, so the row must fit the model.
+    """
+    if batcher_seq_len > model_max_seq_len:
+        raise ValueError(
+            f"batcher.seq_len={batcher_seq_len} exceeds model.max_seq_len={model_max_seq_len}; "
+            "raise model.max_seq_len or lower batcher.seq_len"
+        )

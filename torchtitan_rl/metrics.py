@@ -20,11 +20,12 @@ def summarize(prefix: str, values: Iterable[float]) -> dict[str, float]:
 class MetricsLogger:
     """Writes scalars under <run_dir>/tb/ and remembers them per tag for the final summary."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, purge_step: int | None = None):
+        """`purge_step`: on resume, hide events a killed run logged at steps >= it."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb_dir = run_dir / "tb"
-        self.writer = SummaryWriter(log_dir=str(self.tb_dir))
+        self.writer = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge_step)
         self.history: dict[str, list[tuple[int, float]]] = {}
 
     def log(self, metrics: dict[str, float], step: int) -> None:

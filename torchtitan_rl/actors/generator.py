@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from monarch.actor import Actor, concurrent_endpoint
@@ -58,6 +60,11 @@ class GeneratorActor(Actor):
     @concurrent_endpoint
     async def policy_version(self) -> int:
         return self.engine.policy_version
+
+    @concurrent_endpoint
+    async def pid(self) -> int:
+        """This process's id (fault drills kill it)."""
+        return os.getpid()
 
     @concurrent_endpoint
     async def close(self) -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 from monarch.actor import Actor, current_rank, endpoint
 
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
+from torchtitan_rl.models.hf_export import export_hf
 from torchtitan_rl.models.qwen3 import ModelConfig
+from torchtitan_rl.training.checkpoint import load_trainer_state, save_trainer_state
 from torchtitan_rl.training.parallelize import init_process_group, pick_device
 from torchtitan_rl.training.trainer import TrainerCore
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
@@ -63,6 +67,30 @@ class TrainerActor(Actor):
         if self.rank != 0:
             return None
         return pack_weights(state, self.core.policy_version)
+
+    @endpoint
+    async def save_checkpoint(self, folder: str) -> None:
+        """Every rank writes its shards of model, optimizer, scheduler and counters."""
+        save_trainer_state(self.core, folder)
+
+    @endpoint
+    async def load_checkpoint(self, folder: str) -> int:
+        """Every rank loads its shards; returns the restored policy version."""
+        return load_trainer_state(self.core, folder)
+
+    @endpoint
+    async def export_hf(self, folder: str, hf_checkpoint: str, dtype: str) -> None:
+        """Every rank gathers the full weights; rank 0 writes the Hugging Face folder."""
+        state = self.core.full_state_dict()
+        if self.rank == 0:
+            export_hf(
+                state, self.core.model.model_args, folder, hf_checkpoint=hf_checkpoint, dtype=dtype
+            )
+
+    @endpoint
+    async def pid(self) -> int:
+        """This process's id (fault drills kill it)."""
+        return os.getpid()
 
     @endpoint
     async def logprobs(self, mb: Microbatch, temperature: float) -> list[float]:

@@ -38,9 +38,11 @@ def apply_fsdp(model: PolicyModel, device: torch.device, param_dtype: torch.dtyp
 
     Tied embeddings (the real Qwen3 0.6B-4B) cannot sit in two FSDP groups, so for them the
     embedding, final norm and head share the root group and each block is its own group.
+    The same grouping serves a single rank, which torchtitan would leave unwrapped (and so
+    without the mixed-precision policy).
     """
     world = dist.get_world_size()
-    if model.model_args.enable_weight_tying:
+    if model.model_args.enable_weight_tying or world == 1:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for block in model.layers.values():

@@ -10,7 +10,12 @@ import math
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rl.losses.corrections import CorrectionConfig, correction_weights
@@ -39,7 +44,9 @@ class TrainerCore:
     ):
         self.training, self.loss_config, self.correction = training, loss, correction
         self.device = device
-        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+        # FSDP whenever a process group exists, one rank included: it carries the
+        # mixed-precision policy (bf16 compute, fp32 master weights and reductions).
+        self.distributed = dist.is_initialized()
         torch.manual_seed(seed)  # same init on every rank and in the generator
         self.model: PolicyModel = build_model(model_config, vocab_size, device)
         if self.distributed:
@@ -131,13 +138,18 @@ class TrainerCore:
                     continue
                 sums[k] = sums.get(k, 0.0) + float(v) * n
             sums["_tokens"] = sums.get("_tokens", 0.0) + n
+            if mb.support_offsets is not None:  # sampling-mask replay: ids kept per token
+                kept = float(np.diff(mb.support_offsets.astype(np.int64)).sum())
+                sums["trainer/kept_vocab_per_token"] = (
+                    sums.get("trainer/kept_vocab_per_token", 0.0) + kept
+                )
             finite = torch.isfinite(t["generator_logprobs_N"])
             if finite.any():
                 gap = (logprobs_N.detach() - t["generator_logprobs_N"]).abs()[finite]
                 diff_max = torch.maximum(diff_max, gap.max())
-                sums["trainer/logprob_diff/mean"] = (
-                    sums.get("trainer/logprob_diff/mean", 0.0) + float(gap.sum())
-                )
+                sums["trainer/logprob_diff/mean"] = sums.get(
+                    "trainer/logprob_diff/mean", 0.0
+                ) + float(gap.sum())
                 sums["_finite"] = sums.get("_finite", 0.0) + float(finite.sum())
         out = self._reduce(sums, total_loss, diff_max)
         out.update(self._optimizer_step(self.optimizer, out["loss/mean"]))
@@ -190,9 +202,14 @@ class TrainerCore:
         merged: dict[str, float] = {}
         for part in parts:
             for k, v in part.items():
-                merged[k] = max(merged.get(k, 0.0), v) if k == "_diff_max" else merged.get(k, 0.0) + v
+                merged[k] = (
+                    max(merged.get(k, 0.0), v) if k == "_diff_max" else merged.get(k, 0.0) + v
+                )
         tokens, finite = merged.pop("_tokens", 0.0), merged.pop("_finite", 0.0)
-        out = {"loss/mean": merged.pop("_loss"), "trainer/logprob_diff/max": merged.pop("_diff_max")}
+        out = {
+            "loss/mean": merged.pop("_loss"),
+            "trainer/logprob_diff/max": merged.pop("_diff_max"),
+        }
         for k, v in merged.items():
             denom = finite if k == "trainer/logprob_diff/mean" else tokens
             out[k] = v / denom if denom else 0.0
@@ -208,6 +225,35 @@ class TrainerCore:
         else:
             state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         return {k: v.float() for k, v in state.items()}
+
+    # ---- checkpoint ---------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Model, optimizer, LR scheduler and counters in torch.distributed.checkpoint form:
+        under FSDP each rank holds its own shards (DTensors). A collective.
+
+            {"model": {fqn: tensor}, "optimizer": {"state": ..., "param_groups": ...},
+             "scheduler": LambdaLR.state_dict(), "policy_version": int, "skipped_steps": int}
+        """
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {
+            "model": model,
+            "optimizer": optimizer,
+            "scheduler": self.scheduler.state_dict(),
+            "policy_version": self.policy_version,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned (after torch.distributed.checkpoint filled it)."""
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.policy_version = int(state["policy_version"])
+        self.skipped_steps = int(state["skipped_steps"])
 
     @torch.no_grad()
     def logprobs(self, mb: Microbatch, temperature: float = 1.0) -> np.ndarray:

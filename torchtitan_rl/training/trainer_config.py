@@ -11,6 +11,8 @@ class TrainingConfig:
 
     steps: int = 100
     """RL steps (one rollout batch and one optimizer step each)."""
+    stop_after: int = 0
+    """End the run cleanly after this RL step, as a preemption would; 0 runs all steps."""
     lr: float = 3e-4
     """AdamW learning rate after warmup."""
     warmup_steps: int = 0
@@ -25,6 +27,8 @@ class TrainingConfig:
     def validate(self) -> None:
         if self.steps < 0:
             raise ValueError(f"training.steps must be >= 0, got {self.steps}")
+        if self.stop_after < 0:
+            raise ValueError(f"training.stop_after must be >= 0, got {self.stop_after}")
         if self.lr <= 0:
             raise ValueError(f"training.lr must be > 0, got {self.lr}")
         if self.dtype not in ("float32", "bfloat16"):

@@ -1,0 +1,172 @@
+"""A dead trainer or generator process ends the run with one clear line, never a hang."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_rl.checkpoint_state import CheckpointStore
+from torchtitan_rl.controller import Controller
+from torchtitan_rl.supervision import ActorFailure, Supervisor, describe_failure
+
+KILLED = (
+    "The actor <root>.<torchtitan_rl.actors.generator.GeneratorActor generator{'procs': 0/1}> "
+    "and all its descendants have failed:\n"
+    "  the process this actor was running on failed: Killed(sig=9)"
+)
+LOGGER = (
+    "The actor logger-tTVtQ3vHas1{'procs': 1/2} and all its descendants have failed:\n"
+    "  the process this actor was running on exited with non-zero code 5"
+)
+INIT = (
+    "Endpoint call trainer.pid() failed, The actor <root>.<torchtitan_rl.actors.trainer."
+    "TrainerActor trainer{'gpus': 1/2}> and all its descendants have failed:\n"
+    "  actor explicitly aborted due to: Traceback (most recent call last):\n"
+    '    File "x.py", line 7, in __init__\n'
+    "  ValueError: model.hf_checkpoint: tensor 'norm.weight' has shape (3,)\n"
+)
+
+
+def test_failure_line_names_actor_rank_stage_and_reason():
+    names = ("trainer", "generator")
+    assert describe_failure(KILLED, names, "during RL step 3") == (
+        "generator failed during RL step 3 (rank 0): "
+        "the process this actor was running on failed: Killed(sig=9)"
+    )
+    assert describe_failure(INIT, names, "at start-up") == (
+        "trainer failed at start-up (rank 1): "
+        "ValueError: model.hf_checkpoint: tensor 'norm.weight' has shape (3,)"
+    )
+    assert describe_failure(LOGGER, names, "x").startswith("an actor failed x")
+
+
+class _Failure:
+    def __init__(self, text):
+        self.text = text
+
+    def report(self):
+        return self.text
+
+
+def test_a_failure_report_ends_a_hung_await_within_the_grace_period():
+    supervisor = Supervisor(("trainer", "generator"))
+
+    async def scenario():
+        supervisor.install()
+        try:
+            supervisor.where = "during RL step 7"
+            loop = asyncio.get_running_loop()
+            hung = loop.create_future()  # an endpoint call that never returns
+            for report in (LOGGER, KILLED):  # Monarch reports on its own thread
+                threading.Timer(0.2, supervisor._on_failure, [_Failure(report)]).start()
+            t0 = time.perf_counter()
+            with pytest.raises(ActorFailure, match="generator failed during RL step 7"):
+                await supervisor.watch(hung)
+            assert hung.cancelled()
+            return time.perf_counter() - t0
+        finally:
+            supervisor.uninstall()
+
+    assert asyncio.run(scenario()) < 5
+
+
+@pytest.mark.slow
+def test_killed_generator_ends_the_run_with_a_clear_error(tmp_path):
+    from test_resume import tiny_config
+
+    config = tiny_config(tmp_path, "faulty", "--training.steps=50")
+    controller = Controller(config, use_tqdm=False)
+
+    async def kill_after_first_checkpoint():
+        store = CheckpointStore(controller.run_dir, keep_latest=2)
+        while store.latest() is None:
+            await asyncio.sleep(0.2)
+        pid = await controller.generator.pid.call_one()
+        os.kill(pid, signal.SIGKILL)
+        return time.perf_counter()
+
+    async def scenario():
+        killer = asyncio.ensure_future(kill_after_first_checkpoint())
+        try:
+            with pytest.raises(ActorFailure) as failure:
+                await asyncio.wait_for(controller.run(), timeout=300)
+            return str(failure.value), time.perf_counter() - await killer
+        finally:
+            killer.cancel()
+            await controller.close()
+
+    message, seconds = asyncio.run(scenario())
+    assert message.startswith("generator failed during RL step") and "\n" not in message
+    assert "Killed(sig=9)" in message
+    assert seconds < 30, f"noticed {seconds:.0f} s after the kill"
+    # the last complete checkpoint still loads (here into one process: DCP reshards)
+    from torchtitan_rl.models.tokenizer import Tokenizer
+    from torchtitan_rl.training.checkpoint import load_trainer_state
+    from torchtitan_rl.training.trainer import TrainerCore
+
+    latest = CheckpointStore(controller.run_dir, keep_latest=2).latest()
+    core = TrainerCore(
+        model_config=config.model,
+        training=config.training,
+        loss=config.loss,
+        correction=config.correction,
+        vocab_size=Tokenizer.from_file(None).vocab_size,
+        device=torch.device("cpu"),
+        seed=1,
+    )
+    assert load_trainer_state(core, latest / "trainer") == int(latest.name.split("_")[1]) + 2
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(args, tmp_path, code=None):
+    """Run the entry point (as run_train.sh does) or `code` (python -c); (rc, stderr lines)."""
+    argv = ["-c", code] if code else ["-m", "torchtitan_rl.train"]
+    run = subprocess.run(
+        [sys.executable, *argv, f"--job.output_dir={tmp_path}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return run.returncode, [line for line in run.stderr.splitlines() if line.strip()]
+
+
+def test_cli_rows_longer_than_the_model_is_one_line(tmp_path):
+    rc, lines = _cli(["--batcher.seq_len=4096"], tmp_path)
+    assert rc == 2 and len(lines) == 1
+    assert "batcher.seq_len=4096" in lines[0] and "model.max_seq_len" in lines[0]
+
+
+def test_cli_debug_shows_the_traceback(tmp_path):
+    rc, lines = _cli(["--debug", "--batcher.seq_len=4096"], tmp_path)
+    assert rc == 2 and any("Traceback" in line for line in lines)
+
+
+def test_cli_env_that_fails_to_import_is_one_line(tmp_path):
+    code = (
+        "import sys; sys.modules['torchtitan_rl.envs.alphabet_sort'] = None\n"
+        "from torchtitan_rl.train import main; sys.exit(main(sys.argv[1:]))"
+    )
+    rc, lines = _cli([], tmp_path, code=code)
+    assert rc == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("error: importing torchtitan_rl failed: ")
+    assert "alphabet_sort" in lines[0]
+
+
+@pytest.mark.slow
+def test_cli_prompt_over_the_token_budget_ends_with_one_line(tmp_path):
+    rc, lines = _cli(
+        ["--env.max_rollout_tokens=8", "--warm_start.steps=0", "--validation.interval=0"], tmp_path
+    )
+    assert rc == 1
+    assert not any("Traceback" in line for line in lines), lines
+    assert lines[-1].startswith("error: ValueError: env.max_rollout_tokens=8"), lines

@@ -1,0 +1,125 @@
+"""Process deaths become one clear ActorFailure instead of a hang or a crash of the client.
+
+Monarch 0.7 reports a dead actor or proc to its owner as a `MeshFailure` (about 10 s after
+the process exits, on a Monarch thread). The owner here is the controller's root client,
+whose default `monarch.actor.unhandled_fault_hook` exits the process by interrupting the
+main thread mid-await. `Supervisor` replaces that hook while a run is live: it records the
+failure and wakes the controller, and `watch` turns either signal (the failure report, or
+the `SupervisionError` an awaited endpoint call raises) into
+
+    ActorFailure("generator failed during RL step 3 (rank 0): the process this actor
+                  was running on failed: Killed(sig=9)")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import monarch.actor
+
+# SupervisionError is not re-exported by monarch.actor in 0.7; an endpoint call whose
+# actor died raises it.
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from monarch.actor import ActorError
+
+T = TypeVar("T")
+
+FAILURE_GRACE_S = 2.0
+"""After a failure report, how long the awaited call gets to raise its own (more precise)
+SupervisionError before the controller cancels it."""
+
+_MESH_RANK = re.compile(r"(\w+)(?:-\w+)?\{'\w+': (\d+)/\d+\}")
+"""An actor in a report: `generator{'procs': 0/1}` (the name given to spawn, a rank),
+or `logger-tTVtQ3vHas1{'gpus': 1/2}` for Monarch's own per-proc actors."""
+
+
+class ActorFailure(RuntimeError):
+    """A trainer or generator actor died or failed to start; the message is the one line
+    shown to the user."""
+
+
+def describe_failure(report: str, names: tuple[str, ...], where: str) -> str:
+    """One line naming the actor (one of `names`, the names its mesh was spawned under),
+    its rank, the stage of the run and the reason."""
+    role, rank = "an actor", None
+    for name, r in _MESH_RANK.findall(report):
+        if name in names:
+            role, rank = name, r
+            break
+    lines = [line.strip() for line in report.splitlines() if line.strip()]
+    reason = lines[-1] if lines else "no reason given"
+    reason = reason.removeprefix("actor explicitly aborted due to: ")
+    rank_text = f" (rank {rank})" if rank is not None else ""
+    return f"{role} failed {where}{rank_text}: {reason}"
+
+
+class Supervisor:
+    """Installed for the duration of a run; `names` are the actor names given to
+    `ProcMesh.spawn` (e.g. ("trainer", "generator")), used to name the one that died."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+        self.reports: list[str] = []
+        self.where = "at start-up"
+        self._failed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._previous_hook = None
+
+    def install(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._previous_hook = monarch.actor.unhandled_fault_hook
+        monarch.actor.unhandled_fault_hook = self._on_failure
+
+    def uninstall(self) -> None:
+        if self._previous_hook is not None:
+            monarch.actor.unhandled_fault_hook = self._previous_hook
+            self._previous_hook = None
+
+    def _on_failure(self, failure) -> None:
+        """Runs on a Monarch thread; returning normally marks the failure handled."""
+        self.reports.append(failure.report())
+        assert self._loop is not None
+        if not self._loop.is_closed():  # a late report after the run ended needs no wake-up
+            self._loop.call_soon_threadsafe(self._failed.set)
+
+    def failure(self) -> ActorFailure | None:
+        """The recorded failure (the report naming a known actor first), if any."""
+        if not self.reports:
+            return None
+        named = [r for r in self.reports if any(f"{n}{{" in r for n in self.names)]
+        return ActorFailure(describe_failure((named or self.reports)[0], self.names, self.where))
+
+    def translate(self, error: BaseException) -> BaseException:
+        """A dead actor's SupervisionError (or an ActorError wrapping one) as ActorFailure;
+        anything else unchanged."""
+        if isinstance(error, ActorError) and isinstance(error.exception, SupervisionError):
+            error = error.exception
+        if isinstance(error, SupervisionError):
+            return ActorFailure(describe_failure(str(error), self.names, self.where))
+        return error
+
+    async def watch(self, awaitable: Awaitable[T]) -> T:
+        """Await `awaitable`, but end with ActorFailure soon after any process dies."""
+        task = asyncio.ensure_future(awaitable)
+        failed = asyncio.ensure_future(self._failed.wait())
+        try:
+            done, _ = await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+            if task not in done:  # give the call a moment to fail with its own message
+                await asyncio.wait({task}, timeout=FAILURE_GRACE_S)
+            if task.done():
+                error = None if task.cancelled() else task.exception()
+                if error is not None:
+                    translated = self.translate(error)
+                    if translated is error:
+                        raise error
+                    raise translated from error
+                return task.result()
+            task.cancel()
+            raise self.failure()
+        finally:
+            failed.cancel()
+            if not task.done():
+                task.cancel()
