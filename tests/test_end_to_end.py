@@ -87,14 +87,21 @@ async def _scenario(config):
             token_ids_L=ids, loss_mask_L=mask, logprobs_L=logprobs, advantages_L=logprobs * 0
         )
         batches, _ = pack_batch(
-            [episode], config=BatcherConfig(seq_len=128, rows_per_microbatch=1), num_ranks=2,
+            [episode],
+            config=BatcherConfig(seq_len=128, rows_per_microbatch=1),
+            num_ranks=2,
             pad_id=0,
         )
         trainer_lp = (await controller.trainer.logprobs.call(batches[0][0], 1.0)).values()
         generator_version = await controller.generator.policy_version.call_one()
         return dict(
-            v0=v0, v1=v1, w0=w0, w1=w1, completion=completion,
-            trainer_lp=np.asarray(next(iter(trainer_lp))), generator_version=generator_version,
+            v0=v0,
+            v1=v1,
+            w0=w0,
+            w1=w1,
+            completion=completion,
+            trainer_lp=np.asarray(next(iter(trainer_lp))),
+            generator_version=generator_version,
             tb_dir=controller.metrics.tb_dir,
         )
     finally:

@@ -66,7 +66,9 @@ class Config:
                     check()
                 except ValueError as e:
                     msg = str(e)
-                    raise ConfigError(msg if "." in msg.split(" ")[0] else f"{f.name}: {msg}") from e
+                    raise ConfigError(
+                        msg if "." in msg.split(" ")[0] else f"{f.name}: {msg}"
+                    ) from e
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:

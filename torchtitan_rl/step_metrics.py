@@ -10,7 +10,6 @@ from torchtitan_rl.metrics import summarize
 from torchtitan_rl.rollout.episodes import rollout_to_episodes
 from torchtitan_rl.types import Rollout, RolloutGroup, RolloutStatus
 
-
 GENERATOR_TAGS = (
     "generator/queue_time_ms",
     "generator/time_to_first_token_ms",

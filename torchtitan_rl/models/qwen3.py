@@ -77,7 +77,8 @@ def model_args(config: ModelConfig, vocab_size: int) -> Qwen3ModelArgs:
             hidden_dim=hf["intermediate_size"],
             vocab_size=hf["vocab_size"],
             norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=hf.get("rope_theta", 1e6),
+            # transformers 5 nests it under rope_parameters; older folders keep it on top
+            rope_theta=hf.get("rope_parameters", {}).get("rope_theta", hf.get("rope_theta", 1e6)),
             enable_weight_tying=hf.get("tie_word_embeddings", False),
         )
     elif config.flavor == "tiny":

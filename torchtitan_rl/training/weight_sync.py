@@ -1,7 +1,7 @@
 """Weights as one flat buffer plus a layout, so a sync is one message, not one per tensor.
 
-    layout = [(name, shape, offset), ...]   # offsets into flat_P, in elements
-    flat_P = concat(t.flatten() for t in state.values())   # one dtype
+layout = [(name, shape, offset), ...]   # offsets into flat_P, in elements
+flat_P = concat(t.flatten() for t in state.values())   # one dtype
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def pack_weights(
         layout.append((name, tuple(t.shape), offset))
         offset += t.numel()
     flat_P = torch.empty(offset, dtype=dtype)
-    for (name, _, start), t in zip(layout, state.values()):
+    for (_, _, start), t in zip(layout, state.values()):
         flat_P[start : start + t.numel()].copy_(t.reshape(-1))
     return PackedWeights(version=version, flat_P=flat_P, layout=layout)
 
