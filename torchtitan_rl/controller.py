@@ -29,7 +29,7 @@ from torchtitan_rl.rollout.batcher import pack_batch
 from torchtitan_rl.rollout.episodes import rollout_to_episodes
 from torchtitan_rl.rollout.records import write_step_records
 from torchtitan_rl.rollout.rollouter import Rollouter
-from torchtitan_rl.step_metrics import rollout_metrics, validation_metrics
+from torchtitan_rl.step_metrics import merge_step_metrics, rollout_metrics, validation_metrics
 from torchtitan_rl.summary import SUMMARY_TAGS
 from torchtitan_rl.supervision import SupervisionError, Supervisor
 from torchtitan_rl.types import Episode, RolloutGroup, SamplingParams
@@ -164,7 +164,8 @@ class Controller:
     async def sync_weights(self) -> float:
         """Trainer publishes its weights (one packed buffer); the generator loads them."""
         t0 = time.perf_counter()
-        packed = [p for p in (await self.trainer.publish_weights.call()).values() if p]
+        weights = await self.trainer.publish_weights.call(self.config.generator.dtype)
+        packed = [p for p in weights.values() if p]
         await self.generator.load_weights.call_one(packed[0])
         return time.perf_counter() - t0
 
@@ -240,7 +241,6 @@ class Controller:
         return self.last_validation
 
     async def rl_step(self, step: int) -> dict[str, float]:
-        cfg = self.config
         self.supervisor.where = f"during RL step {step}"
         t0 = time.perf_counter()
         groups, self.next_sample, rollout_stats = await self.rollouter.collect_batch(
@@ -248,18 +248,12 @@ class Controller:
         )
         t_gen = time.perf_counter()
         write_step_records(self.run_dir / "rollouts", step, groups)
-        episodes = self._episodes(groups)
-        batches, batch_metrics = self._pack(episodes)
-        metrics = {**rollout_stats, **batch_metrics, **rollout_metrics(groups)}
-        if any(mb.num_global_loss_tokens for mb in batches[0]):
-            out = await self.trainer.train_step.call(batches, cfg.rollout.temperature)
-            metrics.update(next(iter(out.values())))
-        else:
-            logger.warning("step %d: nothing to train on (no group had reward spread)", step)
+        metrics = {**rollout_stats, **rollout_metrics(groups)}
+        metrics.update(await self._train(groups, step))
         t_train = time.perf_counter()
         metrics["perf/sync_seconds"] = await self.sync_weights()
         seconds = time.perf_counter() - t0
-        tokens = sum(len(e) for e in episodes)
+        tokens = metrics.get("batcher/num_tokens", 0.0)
         generated = sum(
             t.completion.num_tokens for g in groups for r in g.rollouts for t in r.turns
         )
@@ -274,6 +268,21 @@ class Controller:
         )
         self.metrics.log(metrics, step)
         return metrics
+
+    async def _train(self, groups: list[RolloutGroup], step: int) -> dict[str, float]:
+        """One optimizer step per minibatch of whole groups (`training.minibatches`)."""
+        n = self.config.training.minibatches
+        outs, packed = [], []
+        for chunk in (groups[i::n] for i in range(n)):
+            batches, batch_metrics = self._pack(self._episodes(chunk))
+            packed.append(batch_metrics)
+            if not any(mb.num_global_loss_tokens for mb in batches[0]):
+                continue
+            out = await self.trainer.train_step.call(batches, self.config.rollout.temperature)
+            outs.append(next(iter(out.values())))
+        if not outs:
+            logger.warning("step %d: nothing to train on (no group had reward spread)", step)
+        return {**merge_step_metrics(packed), **merge_step_metrics(outs)}
 
     def _episodes(self, groups: list[RolloutGroup]) -> list[Episode]:
         episodes = []

@@ -12,7 +12,7 @@ from torchtitan_rl.models.hf_export import export_hf
 from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.training.checkpoint import load_trainer_state, save_trainer_state
 from torchtitan_rl.training.parallelize import init_process_group, pick_device
-from torchtitan_rl.training.trainer import TrainerCore
+from torchtitan_rl.training.trainer import DTYPES, TrainerCore
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
 from torchtitan_rl.training.weight_sync import PackedWeights, pack_weights
 from torchtitan_rl.types import Microbatch
@@ -61,12 +61,14 @@ class TrainerActor(Actor):
         self.sft_optimizer = None
 
     @endpoint
-    async def publish_weights(self) -> PackedWeights | None:
-        """Every rank gathers; rank 0 returns the full weights as one packed buffer."""
+    async def publish_weights(self, dtype: str = "float32") -> PackedWeights | None:
+        """Every rank gathers; rank 0 returns the full weights as one packed buffer in
+        `dtype` ("float32" | "bfloat16"): the generator's dtype, so a bf16 generator gets
+        half the bytes and the same values it would round to on load."""
         state = self.core.full_state_dict()
         if self.rank != 0:
             return None
-        return pack_weights(state, self.core.policy_version)
+        return pack_weights(state, self.core.policy_version, DTYPES[dtype])
 
     @endpoint
     async def save_checkpoint(self, folder: str) -> None:

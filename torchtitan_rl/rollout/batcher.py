@@ -102,6 +102,7 @@ def pack_batch(
         "batcher/num_rows": float(len(rows)),
         "batcher/num_loss_tokens": float(num_loss_tokens),
         "batcher/num_sequences": float(len(docs)),
+        "batcher/num_tokens": float(used_slots),
         "batcher/num_microbatches_per_rank": float(num_microbatches),
     }
     return batches, metrics

@@ -17,6 +17,9 @@ class TrainingConfig:
     """AdamW learning rate after warmup."""
     warmup_steps: int = 0
     """Linear learning-rate warmup, in optimizer steps."""
+    minibatches: int = 1
+    """Optimizer steps per RL step: the step's groups are split into this many minibatches
+    of whole groups; weights go to the generator once, after the last."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -29,6 +32,8 @@ class TrainingConfig:
             raise ValueError(f"training.steps must be >= 0, got {self.steps}")
         if self.stop_after < 0:
             raise ValueError(f"training.stop_after must be >= 0, got {self.stop_after}")
+        if self.minibatches < 1:
+            raise ValueError(f"training.minibatches must be >= 1, got {self.minibatches}")
         if self.lr <= 0:
             raise ValueError(f"training.lr must be > 0, got {self.lr}")
         if self.dtype not in ("float32", "bfloat16"):
