@@ -71,26 +71,16 @@ def imperfect_reply(gold: str, rng: random.Random) -> str:
     return "\n".join([lines[0], *body, lines[-1]])
 
 
-def without_names(text: str, names: list[str]) -> str:
-    """Names are left out of the corpus so that BPE learns no merges for them: a name is
-    then spelled in (mostly) single letters, and sorting by letters is what the env asks."""
-    for name in sorted(names, key=len, reverse=True):
-        text = text.replace(name, "")
-    return text
-
-
 def corpus(num_samples: int, seed: int) -> Iterator[str]:
     rng = random.Random(seed)
     for max_turns in (1, 2, 3, 4):
         env = AlphabetSort(EnvConfig(max_turns=max_turns), seed, AlphabetSortConfig())
         for index in range(num_samples // 4):
-            sample = env.train_sample(index)
-            names = [n for turn in sample["names_per_turn"] for n in turn]
-            for message in env.demonstration(sample):
+            for message in env.demonstration(env.train_sample(index)):
                 yield f"{message['role']}\n"
-                yield without_names(message["content"], names)
+                yield message["content"]
                 if message["role"] == "assistant" and rng.random() < 0.3:
-                    yield without_names(imperfect_reply(message["content"], rng), names)
+                    yield imperfect_reply(message["content"], rng)
                 yield "\n"
     for role in ("system", "user", "assistant"):
         yield f"{role}\n"
