@@ -51,6 +51,7 @@ def _config(tmp_path):
             "--validation.max_tokens=16",
             "--validation.interval=1",
             "--generator.max_num_seqs=16",
+            "--generator.num_replicas=2",  # two generator meshes behind the router
         ],
     )
 
@@ -93,7 +94,8 @@ async def _scenario(config):
             pad_id=0,
         )
         trainer_lp = (await controller.trainer.logprobs.call(batches[0][0], 1.0)).values()
-        generator_version = await controller.generator.policy_version.call_one()
+        generator_versions = [await g.policy_version.call_one() for g in controller.generators]
+        routed = list(controller.router.routed)
         return dict(
             v0=v0,
             v1=v1,
@@ -101,7 +103,8 @@ async def _scenario(config):
             w1=w1,
             completion=completion,
             trainer_lp=np.asarray(next(iter(trainer_lp))),
-            generator_version=generator_version,
+            generator_versions=generator_versions,
+            routed=routed,
             tb_dir=controller.metrics.tb_dir,
         )
     finally:
@@ -113,7 +116,8 @@ def test_two_rl_steps_through_monarch(tmp_path):
     torch.manual_seed(0)
     r = asyncio.run(_scenario(_config(tmp_path)))
     assert r["v0"] == 2 and r["v1"] == 4, "two warm-start and two RL optimizer steps"
-    assert r["generator_version"] == r["v1"], "the generator pulled the latest weights"
+    assert r["generator_versions"] == [r["v1"], r["v1"]], "every replica has the latest weights"
+    assert min(r["routed"]) > 0, "the router used both replicas"
     changed = [k for k in r["w0"] if not torch.equal(r["w0"][k], r["w1"][k])]
     assert len(changed) == len(r["w0"]), "RL steps change every trainer tensor"
     np.testing.assert_allclose(r["trainer_lp"], r["completion"].logprobs_N, atol=1e-4, rtol=0)

@@ -29,6 +29,7 @@ from torchtitan_rl.rollout.batcher import pack_batch
 from torchtitan_rl.rollout.episodes import rollout_to_episodes
 from torchtitan_rl.rollout.records import write_step_records
 from torchtitan_rl.rollout.rollouter import Rollouter
+from torchtitan_rl.rollout.router import Router
 from torchtitan_rl.step_metrics import merge_step_metrics, rollout_metrics, validation_metrics
 from torchtitan_rl.summary import SUMMARY_TAGS
 from torchtitan_rl.supervision import SupervisionError, Supervisor
@@ -61,7 +62,9 @@ class ActorGenerateFn:
 class Controller:
     def __init__(self, config: Config, *, use_tqdm: bool = True):
         check_lengths(
-            model_max_seq_len=config.model.max_seq_len, batcher_seq_len=config.batcher.seq_len
+            model_max_seq_len=config.model.max_seq_len,
+            batcher_seq_len=config.batcher.seq_len,
+            tp=config.parallelism.tp,
         )
         self.config = config
         self.run_dir = Path(config.job.output_dir) / config.job.run_name
@@ -76,7 +79,8 @@ class Controller:
         self.next_sample = 0
         self.last_validation = float("nan")
         self.store = CheckpointStore(self.run_dir, config.checkpoint.keep_latest)
-        self.supervisor = Supervisor(("trainer", "generator"))
+        replica_names = [f"generator{i}" for i in range(1, config.generator.num_replicas)]
+        self.supervisor = Supervisor(("trainer", "generator", *replica_names))
         self.start_step = 0
         """The RL step the run continues after (0 for a fresh run, N after step_N)."""
 
@@ -99,8 +103,9 @@ class Controller:
         gpu = cfg.parallelism.device == "cuda"
         kind = "gpus" if gpu else "procs"
         trainer_procs = this_host().spawn_procs(per_host={kind: cfg.parallelism.trainer_procs})
-        generator_procs = this_host().spawn_procs(per_host={kind: 1})
-        self.meshes = [trainer_procs, generator_procs]
+        replicas = cfg.generator.num_replicas
+        generator_meshes = [this_host().spawn_procs(per_host={kind: 1}) for _ in range(replicas)]
+        self.meshes = [trainer_procs, *generator_meshes]
         await setup_torch_elastic_env_async(trainer_procs)
         vocab = self.tokenizer.vocab_size
         self.trainer = trainer_procs.spawn(
@@ -114,17 +119,24 @@ class Controller:
             cfg.parallelism.device,
             cfg.job.seed,
             cfg.parallelism.threads(),
+            cfg.parallelism.tp,
         )
-        self.generator = generator_procs.spawn(
-            "generator",
-            GeneratorActor,
-            cfg.model,
-            cfg.generator,
-            vocab,
-            cfg.parallelism.device,
-            cfg.parallelism.threads(),
-        )
-        self.generate_fn = ActorGenerateFn(self.generator)
+        self.generators = [
+            mesh.spawn(
+                f"generator{i}" if i else "generator",
+                GeneratorActor,
+                cfg.model,
+                cfg.generator,
+                vocab,
+                cfg.parallelism.device,
+                cfg.parallelism.threads(),
+            )
+            for i, mesh in enumerate(generator_meshes)
+        ]
+        self.generator = self.generators[0]
+        fns = [ActorGenerateFn(g) for g in self.generators]
+        self.router = Router(fns) if replicas > 1 else None
+        self.generate_fn = self.router or fns[0]
         if state is not None:
             await self.restore(latest, state)
         await self.sync_weights()
@@ -162,18 +174,18 @@ class Controller:
         )
 
     async def sync_weights(self) -> float:
-        """Trainer publishes its weights (one packed buffer); the generator loads them."""
+        """Trainer publishes its weights (one packed buffer); every generator loads them."""
         t0 = time.perf_counter()
         weights = await self.trainer.publish_weights.call(self.config.generator.dtype)
         packed = [p for p in weights.values() if p]
-        await self.generator.load_weights.call_one(packed[0])
+        await asyncio.gather(*(g.load_weights.call_one(packed[0]) for g in self.generators))
         return time.perf_counter() - t0
 
     async def close(self) -> None:
         """Stop the actors and meshes (bounded waits: an actor may be dead or stuck)."""
-        if hasattr(self, "generator"):
+        for generator in getattr(self, "generators", []):
             try:
-                await asyncio.wait_for(self.generator.close.call_one(), timeout=10)
+                await asyncio.wait_for(generator.close.call_one(), timeout=10)
             except Exception as e:
                 logger.info("generator close: %s", e)
 
@@ -193,7 +205,7 @@ class Controller:
         return pack_batch(
             episodes,
             config=self.config.batcher,
-            num_ranks=self.config.parallelism.trainer_procs,
+            num_ranks=self.config.parallelism.dp,  # the ranks of one TP group share a slice
             pad_id=self.tokenizer.pad_id,
         )
 
@@ -247,6 +259,10 @@ class Controller:
             step, self.next_sample, self.generate_fn
         )
         t_gen = time.perf_counter()
+        if self.router is not None:
+            self.router.reset_sessions()  # sessions never span steps
+        for group in groups:
+            compute_advantages(group, normalize_std=self.config.advantage.normalize_std)
         write_step_records(self.run_dir / "rollouts", step, groups)
         metrics = {**rollout_stats, **rollout_metrics(groups)}
         metrics.update(await self._train(groups, step))
@@ -287,7 +303,6 @@ class Controller:
     def _episodes(self, groups: list[RolloutGroup]) -> list[Episode]:
         episodes = []
         for group in groups:
-            compute_advantages(group, normalize_std=self.config.advantage.normalize_std)
             for rollout in group.rollouts:
                 episodes.extend(rollout_to_episodes(rollout))
         return episodes

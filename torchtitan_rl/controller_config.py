@@ -26,7 +26,12 @@ class ParallelismConfig:
     """TOML section [parallelism]: how many processes, and on what."""
 
     trainer_procs: int = 2
-    """Trainer processes (FSDP data-parallel ranks): one per GPU, or CPU processes."""
+    """Trainer processes: one per GPU, or CPU processes. They form a (dp, tp) grid:
+    trainer_procs / tp FSDP data-parallel groups of tp tensor-parallel ranks each."""
+    tp: int = 1
+    """Trainer tensor-parallel degree, >= 1, dividing trainer_procs (and the model's query
+    and key/value head counts, and batcher.seq_len). Consecutive ranks form a TP group
+    that shares one batch slice; the LM head is vocab-parallel (losses/logprobs.py)."""
     generator_procs: int = 1
     """Generator processes (one engine each; only 1 is supported for now)."""
     device: str = "auto"
@@ -42,9 +47,19 @@ class ParallelismConfig:
             return self.cpu_threads_per_proc
         return max(1, (os.cpu_count() or 1) // (self.trainer_procs + self.generator_procs))
 
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many slices the batcher cuts each batch into."""
+        return self.trainer_procs // self.tp
+
     def validate(self) -> None:
         if self.trainer_procs < 1:
             raise ValueError(f"parallelism.trainer_procs must be >= 1, got {self.trainer_procs}")
+        if self.tp < 1 or self.trainer_procs % self.tp:
+            raise ValueError(
+                f"parallelism.tp must be >= 1 and divide trainer_procs={self.trainer_procs}, "
+                f"got {self.tp}"
+            )
         if self.generator_procs != 1:
             raise ValueError(
                 f"parallelism.generator_procs: only 1 is supported, got {self.generator_procs}"
@@ -104,12 +119,17 @@ class CheckpointConfig:
             )
 
 
-def check_lengths(*, model_max_seq_len: int, batcher_seq_len: int) -> None:
+def check_lengths(*, model_max_seq_len: int, batcher_seq_len: int, tp: int = 1) -> None:
     """Cross-section length rules a single section cannot check; ValueError names both keys.
 
     The trainer's rotary cache covers model.max_seq_len positions and a packed row holds one
-    document of up to batcher.seq_len positions, so the row must fit the model.
+    document of up to batcher.seq_len positions, so the row must fit the model. Under
+    tensor parallelism rows are sequence-sharded between blocks, so tp must divide them.
     """
+    if batcher_seq_len % tp:
+        raise ValueError(
+            f"batcher.seq_len={batcher_seq_len} must be a multiple of parallelism.tp={tp}"
+        )
     if batcher_seq_len > model_max_seq_len:
         raise ValueError(
             f"batcher.seq_len={batcher_seq_len} exceeds model.max_seq_len={model_max_seq_len}; "

@@ -31,6 +31,7 @@ class TrainerActor(Actor):
         device: str,
         seed: int,
         cpu_threads: int = 0,
+        tp: int = 1,
     ):
         self.rank = current_rank().rank
         dev = pick_device(device, cpu_threads)
@@ -43,18 +44,19 @@ class TrainerActor(Actor):
             vocab_size=vocab_size,
             device=dev,
             seed=seed,
+            tp=tp,
         )
         self.sft_optimizer = None
 
     @endpoint
     async def train_step(self, batches: list[list[Microbatch]], temperature: float) -> dict:
-        return self.core.train_step(batches[self.rank], temperature)
+        return self.core.train_step(batches[self.core.dp_rank], temperature)
 
     @endpoint
     async def sft_step(self, batches: list[list[Microbatch]], warm_start: WarmStartConfig) -> dict:
         if self.sft_optimizer is None:
             self.sft_optimizer = self.core.warm_start_optimizer(warm_start)
-        return self.core.sft_step(batches[self.rank], self.sft_optimizer)
+        return self.core.sft_step(batches[self.core.dp_rank], self.sft_optimizer)
 
     @endpoint
     async def end_warm_start(self) -> None:

@@ -45,6 +45,9 @@ WEIGHT_SYNC_MODES = ("hot_swap", "drain")
 class EngineConfig:
     """Native engine settings; TOML section [generator]."""
 
+    num_replicas: int = 1
+    """Generator replicas (each its own process and engine) behind a session-affine router;
+    weights are pushed to all of them after every step."""
     max_num_seqs: int = 64
     """Concurrent sequences in the running batch, >= 1."""
     max_seq_len: int = 1024
@@ -76,7 +79,7 @@ class EngineConfig:
     bucket, at engine start); no effect on CPU."""
 
     def validate(self) -> None:
-        for name in ("max_num_seqs", "max_steps_per_iteration", "block_size"):
+        for name in ("num_replicas", "max_num_seqs", "max_steps_per_iteration", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len < 2:

@@ -10,6 +10,9 @@ On CUDA (bf16/fp16/fp32) dense rows go to the Triton kernels of `logprobs_triton
 instead: same outputs and gradients, logits accumulated in fp32 (this path rounds each
 chunk's logits to the input dtype first, as a bf16 matmul returns them).
 With `support` (sampling-mask replay) each row is renormalised over its kept ids instead.
+Under trainer tensor parallelism the LM head is sharded by vocabulary rows and
+`vocab_parallel_token_logprobs` runs the same chunked loop on each rank's shard, combining
+per-row log-sum-exp, target-logit and entropy statistics across ranks with all-reduces.
 
 Normalisation domain of the importance ratio exp(trainer - generator): both sides use the
 distribution the token was sampled from, softmax(logits / temperature) restricted to the
@@ -29,6 +32,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 SUPPORT_ENTRIES_PER_ROW = 16
@@ -178,10 +182,13 @@ def _chunk_grad_logits(
     grad_logprobs_C: Tensor | None,
     grad_entropy_C: Tensor | None,
     entropy_C: Tensor | None,
+    in_shard_C: Tensor | None = None,
 ) -> Tensor:
     """d(loss)/d(logits / temperature), overwriting `logp_CV` to keep one extra [C, V] buffer.
 
     d logprob / dz = onehot(target) - p;  d entropy / dz = -p * (log p + H).
+    `in_shard_C` (vocab-parallel): rows whose target lies in this shard; only they get the
+    onehot term (`targets_C` then holds shard-local ids).
     """
     p_CV = logp_CV.exp()
     if grad_entropy_C is not None:
@@ -191,8 +198,136 @@ def _chunk_grad_logits(
     else:
         g_CV = p_CV.mul_(-grad_logprobs_C[:, None])
     if grad_logprobs_C is not None:
+        if in_shard_C is not None:
+            grad_logprobs_C = torch.where(in_shard_C, grad_logprobs_C, 0.0)
         g_CV.scatter_add_(1, targets_C[:, None], grad_logprobs_C[:, None])
     return g_CV
+
+
+def vocab_parallel_token_logprobs(
+    hidden_ND: Tensor,
+    weight_shard_VD: Tensor,
+    targets_N: Tensor,
+    *,
+    vocab_start: int,
+    group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """`token_logprobs` over a vocabulary whose rows are split across the ranks of `group`.
+
+    Every rank passes the same `hidden_ND` and `targets_N` (global ids) and its own rows
+    `weight_shard_VD = weight[vocab_start : vocab_start + V_shard]`; every rank gets the
+    same full-vocabulary log-probs and entropies, and no rank holds more than [C, V_shard]
+    logits. Backward: the hidden-state gradient is summed over ranks (every rank gets the
+    full one), each shard's weight gradient stays on its rank. Exact, like the dense path.
+
+    Per row, rank r with shard logits z (m_r = max z) contributes
+        s_r = sum exp(z - m_r),  t_r = sum exp(z - m_r) * (z - m_r),  a_r = z[target] or 0
+    and with M = max_r m_r (all-reduce max), w_r = exp(m_r - M), one all-reduce (sum) gives
+        S = sum w_r s_r,  T = sum w_r (t_r + (m_r - M) s_r),  A = sum a_r
+        lse = M + log S,  logprob = A - lse,  entropy = log S - T / S.
+    Example: V = 5 on 2 ranks -> rank 0 holds rows 0..2 (vocab_start 0), rank 1 rows 3..4
+    (vocab_start 3), as `torch.chunk` and DTensor's Shard(0) split them.
+    """
+    _check_inputs(hidden_ND, weight_shard_VD, targets_N, temperature, chunk_size)
+    if weight_shard_VD.shape[0] < 1 or vocab_start < 0:
+        raise ValueError(
+            f"weight_shard_VD must hold >= 1 row and vocab_start must be >= 0, got "
+            f"{weight_shard_VD.shape[0]} rows from {vocab_start}"
+        )
+    outputs = _VocabParallelLogprobs.apply(
+        hidden_ND, weight_shard_VD, targets_N, 1.0 / temperature, chunk_size, with_entropy,
+        vocab_start, group,
+    )  # fmt: skip
+    if with_entropy:
+        return outputs[0], outputs[1]
+    return outputs, None
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, hidden_ND, weight_VD, targets_N, inv_temperature, chunk_size, with_entropy,
+        vocab_start, group,
+    ):  # fmt: skip
+        n, v_shard = hidden_ND.shape[0], weight_VD.shape[0]
+        acc = _accum_dtype(hidden_ND.dtype)
+        local_N = targets_N - vocab_start
+        in_shard_N = (local_N >= 0) & (local_N < v_shard)
+        local_N = torch.where(in_shard_N, local_N, 0)
+        max_N = torch.empty(n, dtype=acc, device=hidden_ND.device)
+        sums_3N = torch.zeros(3, n, dtype=acc, device=hidden_ND.device)  # s, t, a
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            z_CV = _chunk_logp(hidden_ND[rows], weight_VD, inv_temperature)
+            target_C = z_CV.gather(1, local_N[rows, None]).squeeze(1)
+            sums_3N[2, rows] = torch.where(in_shard_N[rows], target_C, 0.0)
+            max_C = z_CV.max(dim=-1).values
+            max_N[rows] = max_C
+            z_CV.sub_(max_C[:, None])
+            e_CV = z_CV.exp()
+            sums_3N[0, rows] = e_CV.sum(-1)
+            if with_entropy:
+                sums_3N[1, rows] = (e_CV * z_CV).sum(-1)
+        global_max_N = max_N.clone()
+        dist.all_reduce(global_max_N, op=dist.ReduceOp.MAX, group=group)
+        shift_N = max_N - global_max_N
+        w_N = shift_N.exp()
+        sums_3N[1] = w_N * (sums_3N[1] + shift_N * sums_3N[0])
+        sums_3N[0] *= w_N
+        dist.all_reduce(sums_3N, group=group)
+        log_s_N = sums_3N[0].log()
+        lse_N = global_max_N + log_s_N
+        logprobs_N = sums_3N[2] - lse_N
+        entropy_N = log_s_N - sums_3N[1] / sums_3N[0] if with_entropy else None
+        ctx.save_for_backward(hidden_ND, weight_VD, local_N, in_shard_N, lse_N, entropy_N)
+        ctx.inv_temperature, ctx.chunk_size, ctx.group = inv_temperature, chunk_size, group
+        ctx.set_materialize_grads(False)
+        if with_entropy:
+            return logprobs_N, entropy_N
+        return logprobs_N
+
+    @staticmethod
+    def backward(ctx, grad_logprobs_N, grad_entropy_N=None):
+        hidden_ND, weight_VD, local_N, in_shard_N, lse_N, entropy_N = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        none = (None,) * 8
+        if (grad_logprobs_N is None and grad_entropy_N is None) or not (need_h or need_w):
+            return none
+        acc = _accum_dtype(hidden_ND.dtype)
+        # fp32 partial sums: the all-reduce below adds the shards' shares of the gradient
+        grad_h_ND = (
+            torch.zeros(hidden_ND.shape, dtype=acc, device=hidden_ND.device) if need_h else None
+        )
+        grad_w_VD = (
+            torch.zeros(weight_VD.shape, dtype=acc, device=weight_VD.device) if need_w else None
+        )
+        for start in range(0, hidden_ND.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            h_CD = hidden_ND[rows]
+            logp_CV = _chunk_logp(h_CD, weight_VD, ctx.inv_temperature).sub_(lse_N[rows, None])
+            g_CV = _chunk_grad_logits(
+                logp_CV,
+                local_N[rows],
+                None if grad_logprobs_N is None else grad_logprobs_N[rows].to(acc),
+                None if grad_entropy_N is None else grad_entropy_N[rows].to(acc),
+                None if entropy_N is None else entropy_N[rows],
+                in_shard_N[rows],
+            ).mul_(ctx.inv_temperature)
+            g_CV = g_CV.to(hidden_ND.dtype)
+            if need_h:
+                grad_h_ND[rows] = (g_CV @ weight_VD).to(acc)
+            if need_w:
+                grad_w_VD += (g_CV.T @ h_CD).to(acc)
+        if need_h:  # every rank must join, so the condition is the same on every rank
+            dist.all_reduce(grad_h_ND, group=ctx.group)
+        return (
+            grad_h_ND.to(hidden_ND.dtype) if need_h else None,
+            grad_w_VD.to(weight_VD.dtype) if need_w else None,
+            *none[2:],
+        )
 
 
 def _support_logprobs(

@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from torchtitan.models.attention import FlexAttentionWrapper
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs, qwen3_args
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-from torchtitan_rl.losses.logprobs import token_logprobs
+from torchtitan_rl.losses.logprobs import token_logprobs, vocab_parallel_token_logprobs
 
 TINY_ARGS = dict(
     dim=128,
@@ -134,15 +135,37 @@ class LogProbHead(nn.Linear):
     """The LM head; its forward returns log-probs (and entropy) of targets, never full logits.
 
     Same parameter name and shape as torchtitan's `output` Linear, so checkpoints and the
-    Hugging Face adapter see an ordinary LM head.
+    Hugging Face adapter see an ordinary LM head. Under trainer tensor parallelism
+    (`training/parallelize.apply_tp`) the weight is a DTensor sharded by vocabulary rows
+    (Shard(0)) over the TP group: each rank computes its shard's statistics and
+    `vocab_parallel_token_logprobs` combines them, so no rank holds full logits either.
+    Replay rows (`support`) and plain logits gather the full weight instead.
     """
 
     def forward(self, hidden_ND, targets_N=None, temperature: float = 1.0, support=None):
+        weight = self.weight
+        if isinstance(weight, DTensor):
+            if targets_N is not None and support is None:
+                return self._vocab_parallel(hidden_ND, weight, targets_N, temperature)
+            weight = weight.full_tensor()
         if targets_N is None:  # plain logits, for small diagnostics only
-            return F.linear(hidden_ND, self.weight)
+            return F.linear(hidden_ND, weight)
         return token_logprobs(
-            hidden_ND, self.weight, targets_N, temperature=temperature, support=support
+            hidden_ND, weight, targets_N, temperature=temperature, support=support
         )
+
+    @staticmethod
+    def _vocab_parallel(hidden_ND, weight: DTensor, targets_N, temperature: float):
+        mesh = weight.device_mesh
+        assert mesh.ndim == 1 and tuple(weight.placements) == (Shard(0),), weight.placements
+        rows = -(-weight.shape[0] // mesh.size())  # Shard(0) splits rows as torch.chunk does
+        start = mesh.get_local_rank() * rows
+        shard_VD = weight.to_local()
+        assert shard_VD.shape[0] == min(rows, weight.shape[0] - start), shard_VD.shape
+        return vocab_parallel_token_logprobs(
+            hidden_ND, shard_VD, targets_N, vocab_start=start, group=mesh.get_group(),
+            temperature=temperature,
+        )  # fmt: skip
 
 
 class PolicyModel(Qwen3Model):
@@ -175,6 +198,8 @@ class PolicyModel(Qwen3Model):
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, masks, positions_BS)
         h = self.norm(h)
+        if isinstance(h, DTensor):  # tensor parallel: rows come sequence-sharded
+            h = h.full_tensor()
         hidden_ND = h.flatten(0, 1).index_select(0, loss_index_N)
         return self.output(hidden_ND, targets_N, temperature, support)
 

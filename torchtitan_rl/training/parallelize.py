@@ -1,4 +1,5 @@
-"""Process group, device mesh and FSDP2 for the trainer, on CPU (gloo) and GPU (NCCL)."""
+"""Process group, device mesh, FSDP2 and tensor parallelism for the trainer, on CPU (gloo)
+and GPU (NCCL)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchtitan_rl.models.qwen3 import PolicyModel
 
@@ -44,12 +47,85 @@ def apply_fsdp(model: PolicyModel, device: torch.device, param_dtype: torch.dtyp
     world = dist.get_world_size()
     if model.model_args.enable_weight_tying or world == 1:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-        for block in model.layers.values():
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        _shard_blocks_and_root(model, mesh, param_dtype)
     else:
         _torchtitan_parallelize(model, device, world, param_dtype)
+    _sum_gradients(model, device)
+
+
+def apply_tp_fsdp(
+    model: PolicyModel, device: torch.device, param_dtype: torch.dtype, tp: int
+) -> DeviceMesh:
+    """Tensor parallelism over groups of `tp` consecutive ranks, FSDP across the groups.
+
+    Returns the 2-D mesh ("dp", "tp"): world = dp * tp and rank r sits at (r // tp, r % tp),
+    so the ranks of one TP group must get the same microbatches (see TrainerCore.dp_rank).
+    """
+    world = dist.get_world_size()
+    if world % tp:
+        raise ValueError(f"parallelism.tp={tp} must divide trainer_procs={world}")
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    apply_tp(model, mesh["tp"])
+    _shard_blocks_and_root(model, mesh["dp"], param_dtype)
+    _sum_gradients(model, device)
+    return mesh
+
+
+def apply_tp(model: PolicyModel, tp_mesh: DeviceMesh) -> None:
+    """torchtitan's Qwen3 TP plan (`apply_non_moe_tp`: vocab-sharded embedding, sequence-
+    parallel norms, column/row-parallel attention and MLP), adapted to this model:
+
+    - positions: ours are per-document, so they enter attention as a Replicate DTensor, as
+      torchtitan passes them under context parallelism (the one thing `cp_enabled=True`
+      changes in that function);
+    - FlexAttention has no DTensor rule: q, k, v enter it as this rank's local heads and its
+      output leaves as a DTensor sharded on heads;
+    - the LM head: torchtitan's plan makes `output` a column-parallel logits layer, ours is
+      `LogProbHead`, so the plan gets a throwaway stand-in and the head's weight is sharded
+      by vocabulary rows (Shard(0)), which LogProbHead turns into vocab-parallel log-probs.
+      That is the embedding's layout too, so a tied weight stays one parameter.
+    """
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
+    from torchtitan.models.qwen3.infra.parallelize import apply_non_moe_tp
+
+    args, tp = model.model_args, tp_mesh.size()
+    if args.n_heads % tp or args.n_kv_heads % tp:
+        raise ValueError(
+            f"parallelism.tp={tp} must divide n_heads={args.n_heads} and "
+            f"n_kv_heads={args.n_kv_heads} of the model"
+        )
+    head = model.output
+    model.output = nn.Linear(args.dim, tp, bias=False, device=head.weight.device)
+    apply_non_moe_tp(
+        model, tp_mesh, loss_parallel=False, enable_float8_tensorwise_tp=False,
+        enable_async_tp=False, cp_enabled=True,
+    )  # fmt: skip
+    model.output = head
+    local_heads = PrepareModuleInputOutput(
+        input_layouts=(Shard(1), Shard(1), Shard(1)),
+        desired_input_layouts=(Shard(1), Shard(1), Shard(1)),
+        use_local_input=True,
+        output_layouts=Shard(1),
+        desired_output_layouts=Shard(1),
+        use_local_output=False,
+    )
+    for block in model.layers.values():
+        parallelize_module(block.attention.inner_attention, tp_mesh, local_heads)
+    if args.enable_weight_tying:
+        head.weight = model.tok_embeddings.weight
+    else:
+        head.weight = nn.Parameter(distribute_tensor(head.weight.detach(), tp_mesh, [Shard(0)]))
+
+
+def _shard_blocks_and_root(model: PolicyModel, mesh: DeviceMesh, param_dtype) -> None:
+    """One FSDP group per block, the embedding, final norm and head in the root group."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def _sum_gradients(model: PolicyModel, device: torch.device) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # The loss is already normalised by the global token count: sum, never average.

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_rl.losses.corrections import CorrectionConfig, correction_weights
 from torchtitan_rl.losses.policy_loss import LossConfig, policy_loss
 from torchtitan_rl.models.qwen3 import ModelConfig, PolicyModel, build_model
-from torchtitan_rl.training.parallelize import apply_fsdp
+from torchtitan_rl.training.parallelize import apply_fsdp, apply_tp_fsdp
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
 from torchtitan_rl.types import Microbatch
 
@@ -41,6 +41,7 @@ class TrainerCore:
         vocab_size: int,
         device: torch.device,
         seed: int,
+        tp: int = 1,
     ):
         self.training, self.loss_config, self.correction = training, loss, correction
         self.device = device
@@ -49,8 +50,18 @@ class TrainerCore:
         self.distributed = dist.is_initialized()
         torch.manual_seed(seed)  # same init on every rank and in the generator
         self.model: PolicyModel = build_model(model_config, vocab_size, device)
-        if self.distributed:
+        self.dp_group = None
+        """Group the batch is split over: None = every rank; under tensor parallelism the
+        `tp` ranks of one group hold the same microbatches and count them once."""
+        if self.distributed and tp > 1:
+            mesh = apply_tp_fsdp(self.model, device, DTYPES[training.dtype], tp)
+            self.dp_group = mesh["dp"].get_group()
+        elif self.distributed:
             apply_fsdp(self.model, device, DTYPES[training.dtype])
+        elif tp > 1:
+            raise ValueError(f"parallelism.tp={tp} needs a process group of tp ranks")
+        self.dp_rank = dist.get_rank() // tp if self.distributed else 0
+        """Which of the batcher's per-rank microbatch lists this rank trains on."""
         self.policy_version = 0
         self.optimizer = self._adamw(training.lr)
         warmup = max(training.warmup_steps, 0)
@@ -168,7 +179,7 @@ class TrainerCore:
             loss.backward()
             total += loss.detach()
         if self.distributed:
-            dist.all_reduce(total)
+            dist.all_reduce(total, group=self.dp_group)
         out = {"warm_start/loss": float(total)}
         out.update(self._optimizer_step(optimizer, out["warm_start/loss"]))
         return out
@@ -197,8 +208,8 @@ class TrainerCore:
         local = {**sums, "_loss": float(total_loss), "_diff_max": float(diff_max)}
         parts = [local]
         if self.distributed:
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, local)
+            parts = [None] * dist.get_world_size(self.dp_group)
+            dist.all_gather_object(parts, local, group=self.dp_group)
         merged: dict[str, float] = {}
         for part in parts:
             for k, v in part.items():
