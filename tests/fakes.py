@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
+from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 
 from torchtitan_rl.envs.base import EnvConfig, Environment, MessageEnv, Rubric, StepResult
 from torchtitan_rl.types import Completion, FinishReason, Message, Rollout, SamplingParams
@@ -196,3 +198,23 @@ class FakeEnvironment(Environment):
 
     def demonstration(self, sample: dict[str, Any]) -> list[Message]:
         return []
+
+
+def tiny_qwen3(seed: int = 0, vocab: int = 97) -> Qwen3Model:
+    """A 2-layer random Qwen3 for engine and runner tests (fp32, untied)."""
+    torch.manual_seed(seed)
+    args = Qwen3ModelArgs(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        hidden_dim=128,
+        vocab_size=vocab,
+        max_seq_len=64,
+        enable_weight_tying=False,
+    )
+    model = Qwen3Model(args)
+    with torch.no_grad():
+        model.init_weights()
+    return model

@@ -4,7 +4,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
+from fakes import tiny_qwen3
 
 from torchtitan_rl.generation.engine import Engine, EngineConfig
 from torchtitan_rl.types import FinishReason, SamplingParams
@@ -12,36 +12,7 @@ from torchtitan_rl.types import FinishReason, SamplingParams
 VOCAB = 97
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """Tiny-model ops are latency-bound; on a shared 2-core box, 2 OpenMP threads spin-wait
-    against other processes and run ~10x slower than 1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
-
-
-def tiny_qwen3(seed: int = 0) -> Qwen3Model:
-    torch.manual_seed(seed)
-    args = Qwen3ModelArgs(
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        hidden_dim=128,
-        vocab_size=VOCAB,
-        max_seq_len=64,
-        enable_weight_tying=False,
-    )
-    model = Qwen3Model(args)
-    with torch.no_grad():
-        model.init_weights()
-    return model
 
 
 def make_engine(**overrides) -> Engine:

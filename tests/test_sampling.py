@@ -12,16 +12,6 @@ from torchtitan_rl.generation.sampling import sample_tokens, sampling_logprobs
 CUT_MARGIN = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """Tiny-model ops are latency-bound; on a shared 2-core box, 2 OpenMP threads spin-wait
-    against other processes and run ~10x slower than 1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def reference_distribution(logits, temperature, top_p, top_k):
     """float64 reference: (probs over the vocab, kept ids ascending, whether a cut was close)."""
     logits = np.asarray(logits, dtype=np.float64)
