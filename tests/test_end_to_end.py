@@ -52,6 +52,7 @@ def _config(tmp_path):
             "--validation.interval=1",
             "--generator.max_num_seqs=16",
             "--generator.num_replicas=2",  # two generator meshes behind the router
+            "--training.minibatches=1",  # one optimizer step per RL step
         ],
     )
 

@@ -121,7 +121,8 @@ def test_killed_generator_ends_the_run_with_a_clear_error(tmp_path):
         device=torch.device("cpu"),
         seed=1,
     )
-    assert load_trainer_state(core, latest / "trainer") == int(latest.name.split("_")[1]) + 2
+    rl_updates = int(latest.name.split("_")[1]) * config.training.minibatches
+    assert load_trainer_state(core, latest / "trainer") == rl_updates + 2  # + 2 warm-start steps
 
 
 ROOT = Path(__file__).resolve().parents[1]
