@@ -151,29 +151,55 @@ class _ChunkedLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logprobs_N is None and grad_entropy_N is None) or not (need_h or need_w):
             return None, None, None, None, None, None
-        acc = _accum_dtype(hidden_ND.dtype)
-        grad_h_ND = torch.empty_like(hidden_ND) if need_h else None
-        grad_w_VD = (
-            torch.zeros(weight_VD.shape, dtype=acc, device=weight_VD.device) if need_w else None
+        grad_h_ND, grad_w_VD = _chunked_input_grads(
+            ctx, hidden_ND, weight_VD, targets_N, lse_N, entropy_N, grad_logprobs_N, grad_entropy_N
         )
-        for start in range(0, hidden_ND.shape[0], ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
-            h_CD = hidden_ND[rows]
-            logp_CV = _chunk_logp(h_CD, weight_VD, ctx.inv_temperature).sub_(lse_N[rows, None])
-            g_CV = _chunk_grad_logits(
-                logp_CV,
-                targets_N[rows],
-                None if grad_logprobs_N is None else grad_logprobs_N[rows].to(acc),
-                None if grad_entropy_N is None else grad_entropy_N[rows].to(acc),
-                None if entropy_N is None else entropy_N[rows],
-            ).mul_(ctx.inv_temperature)
-            g_CV = g_CV.to(hidden_ND.dtype)
-            if need_h:
-                grad_h_ND[rows] = g_CV @ weight_VD
-            if need_w:
-                grad_w_VD += (g_CV.T @ h_CD).to(acc)
-        grad_w_VD = grad_w_VD.to(weight_VD.dtype) if need_w else None
-        return grad_h_ND, grad_w_VD, None, None, None, None
+        return (
+            grad_h_ND.to(hidden_ND.dtype) if need_h else None,
+            grad_w_VD.to(weight_VD.dtype) if need_w else None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _chunked_input_grads(
+    ctx,
+    hidden_ND,
+    weight_VD,
+    targets_N,
+    lse_N,
+    entropy_N,
+    grad_logprobs_N,
+    grad_entropy_N,
+    in_shard_N=None,
+):
+    """Recompute each chunk's logits and accumulate (grad_hidden, grad_weight) in fp32 (or
+    fp64); either is None when autograd does not need it. With `in_shard_N` (vocab-parallel),
+    targets are shard-local ids and the hidden gradient is this shard's partial sum."""
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    acc = _accum_dtype(hidden_ND.dtype)
+    grad_h_ND = torch.zeros(hidden_ND.shape, dtype=acc, device=hidden_ND.device) if need_h else None
+    grad_w_VD = torch.zeros(weight_VD.shape, dtype=acc, device=weight_VD.device) if need_w else None
+    for start in range(0, hidden_ND.shape[0], ctx.chunk_size):
+        rows = slice(start, start + ctx.chunk_size)
+        h_CD = hidden_ND[rows]
+        logp_CV = _chunk_logp(h_CD, weight_VD, ctx.inv_temperature).sub_(lse_N[rows, None])
+        g_CV = _chunk_grad_logits(
+            logp_CV,
+            targets_N[rows],
+            None if grad_logprobs_N is None else grad_logprobs_N[rows].to(acc),
+            None if grad_entropy_N is None else grad_entropy_N[rows].to(acc),
+            None if entropy_N is None else entropy_N[rows],
+            None if in_shard_N is None else in_shard_N[rows],
+        ).mul_(ctx.inv_temperature)
+        g_CV = g_CV.to(hidden_ND.dtype)
+        if need_h:
+            grad_h_ND[rows] = (g_CV @ weight_VD).to(acc)
+        if need_w:
+            grad_w_VD += (g_CV.T @ h_CD).to(acc)
+    return grad_h_ND, grad_w_VD
 
 
 def _chunk_grad_logits(
@@ -296,31 +322,18 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         none = (None,) * 8
         if (grad_logprobs_N is None and grad_entropy_N is None) or not (need_h or need_w):
             return none
-        acc = _accum_dtype(hidden_ND.dtype)
         # fp32 partial sums: the all-reduce below adds the shards' shares of the gradient
-        grad_h_ND = (
-            torch.zeros(hidden_ND.shape, dtype=acc, device=hidden_ND.device) if need_h else None
+        grad_h_ND, grad_w_VD = _chunked_input_grads(
+            ctx,
+            hidden_ND,
+            weight_VD,
+            local_N,
+            lse_N,
+            entropy_N,
+            grad_logprobs_N,
+            grad_entropy_N,
+            in_shard_N,
         )
-        grad_w_VD = (
-            torch.zeros(weight_VD.shape, dtype=acc, device=weight_VD.device) if need_w else None
-        )
-        for start in range(0, hidden_ND.shape[0], ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
-            h_CD = hidden_ND[rows]
-            logp_CV = _chunk_logp(h_CD, weight_VD, ctx.inv_temperature).sub_(lse_N[rows, None])
-            g_CV = _chunk_grad_logits(
-                logp_CV,
-                local_N[rows],
-                None if grad_logprobs_N is None else grad_logprobs_N[rows].to(acc),
-                None if grad_entropy_N is None else grad_entropy_N[rows].to(acc),
-                None if entropy_N is None else entropy_N[rows],
-                in_shard_N[rows],
-            ).mul_(ctx.inv_temperature)
-            g_CV = g_CV.to(hidden_ND.dtype)
-            if need_h:
-                grad_h_ND[rows] = (g_CV @ weight_VD).to(acc)
-            if need_w:
-                grad_w_VD += (g_CV.T @ h_CD).to(acc)
         if need_h:  # every rank must join, so the condition is the same on every rank
             dist.all_reduce(grad_h_ND, group=ctx.group)
         return (
