@@ -123,6 +123,20 @@ class Action:
     version: int | None = None
 
 
+def build_runner(model, config: EngineConfig, device, tp=None) -> ModelRunner:
+    """The model runner an engine rank uses; TP followers build theirs the same way."""
+    return ModelRunner(
+        model,
+        num_blocks=config.total_blocks(),
+        block_size=config.block_size,
+        max_seq_len=config.max_seq_len,
+        device=device,
+        dtype=DTYPES[config.dtype],
+        tp=tp,
+        decode_attention=config.decode_attention,
+    )
+
+
 class Engine:
     """Continuous-batching generation on one device (see the module docstring).
 
@@ -140,16 +154,7 @@ class Engine:
         config.validate()
         self.config = config
         self._tp = tp
-        self._runner = ModelRunner(
-            model,
-            num_blocks=config.total_blocks(),
-            block_size=config.block_size,
-            max_seq_len=config.max_seq_len,
-            device=device,
-            dtype=DTYPES[config.dtype],
-            tp=tp,
-            decode_attention=config.decode_attention,
-        )
+        self._runner = build_runner(model, config, device, tp)
         # Under TP the step holds collectives; the followers run eagerly, so rank 0 does too.
         if config.cuda_graphs and self._runner.device.type == "cuda" and tp is None:
             self._runner.decode_graphs = DecodeGraphs(self._runner, max_batch=config.max_num_seqs)

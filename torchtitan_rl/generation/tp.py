@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.models.qwen3 import Qwen3Model
 
-from torchtitan_rl.generation.engine import DTYPES, Action, ActionKind, EngineConfig
-from torchtitan_rl.generation.model_runner import ModelRunner
+from torchtitan_rl.generation.engine import Action, ActionKind, EngineConfig, build_runner
 
 ROW_SHARDED = re.compile(r"layers\.\d+\.(attention\.w[qkv]|feed_forward\.w[13])\.weight")
 COL_SHARDED = re.compile(r"layers\.\d+\.(attention\.wo|feed_forward\.w2)\.weight")
@@ -99,15 +98,7 @@ def run_follower(
     waiting for them if they have not arrived yet.
     """
     config.validate()
-    runner = ModelRunner(
-        model,
-        num_blocks=config.total_blocks(),
-        block_size=config.block_size,
-        max_seq_len=config.max_seq_len,
-        device=device,
-        dtype=DTYPES[config.dtype],
-        tp=tp,
-    )
+    runner = build_runner(model, config, device, tp)
     version = 0
     while True:
         action = tp.receive()
