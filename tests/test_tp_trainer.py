@@ -95,7 +95,7 @@ def _worker(rank, port, device_type, cases, queue):
         results = {}
         for flavor, tied, dtype in cases:
             # this process only: the tiny shape with the head tied to the embedding
-            qwen3.TINY_ARGS = {**qwen3.TINY_ARGS, "enable_weight_tying": tied}
+            qwen3.BUILTIN_ARGS["tiny"] = {**qwen3.TINY_ARGS, "enable_weight_tying": tied}
             key = (flavor, tied)
             if rank == 0:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
