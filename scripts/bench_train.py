@@ -1,10 +1,13 @@
 """Benchmark: training throughput of the policy model, our log-prob head vs the naive one.
 
     python scripts/bench_train.py            # H200: Qwen3-0.6B shape, bf16, 4 x 4096 tokens
-    python scripts/bench_train.py --smoke    # tiny model on CPU, seconds
+    python scripts/bench_train.py --profile  # and each row's top kernels by device time
+    python scripts/bench_train.py --smoke    # tiny model on CPU, eager rows only, seconds
 
 One step = forward (log-prob + entropy of every token) + backward + AdamW, called the way
 TrainerCore calls the model (tokens, positions, document ids, loss positions, targets).
+Rows: eager, then compiled (`training.compile`: each block through torch.compile, as
+TrainerCore does), each with our head and the naive one.
 Parameters are bf16 (buffers such as the RoPE cache stay fp32), as FSDP's bf16 mixed
 precision computes; AdamW runs fused on the bf16 parameters. Each row of the batch packs
 --docs documents of equal length; every token is a loss token.
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_rl.models.qwen3 import ModelConfig, build_model
+from torchtitan_rl.training.parallelize import apply_compile
 
 PEAK_BF16_TFLOPS = 989.0
 """H200 SXM dense bf16 tensor-core peak (datasheet); MFU is relative to this."""
@@ -75,27 +79,42 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def time_steps(model, optimizer, batch, device, warmup, steps):
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        logprobs_N, entropy_N = model(*batch[:3], batch[3], batch[4], 1.0, None)
-        loss = -logprobs_N.mean() - 0.01 * entropy_N.mean()
-        loss.backward()
-        optimizer.step()
+def _step(model, optimizer, batch):
+    optimizer.zero_grad(set_to_none=True)
+    logprobs_N, entropy_N = model(*batch[:3], batch[3], batch[4], 1.0, None)
+    loss = -logprobs_N.mean() - 0.01 * entropy_N.mean()
+    loss.backward()
+    optimizer.step()
 
+
+def time_steps(model, optimizer, batch, device, warmup, steps):
     for _ in range(warmup):
-        step()
+        _step(model, optimizer, batch)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(steps):
         sync(device)
         start = time.perf_counter()
-        step()
+        _step(model, optimizer, batch)
         sync(device)
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     return statistics.median(times), peak
+
+
+def profile_step(model, optimizer, batch, name: str, top: int = 15) -> None:
+    """Profile one step; print its `top` operations and kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _step(model, optimizer, batch)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total_ms = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"\n[{name}] device busy {total_ms:.1f} ms; top {top} by self device time:")
+    for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
+        print(f"  {e.self_device_time_total / 1e3:8.2f} ms {e.count:5d}x  {e.key[:90]}")
 
 
 def main() -> None:
@@ -108,6 +127,9 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--modes", default="", choices=["", "eager", "compiled", "eager,compiled"],
+                   help="rows to run; default eager,compiled (eager with --smoke)")  # fmt: skip
+    p.add_argument("--profile", action="store_true", help="print each row's top kernels")
     p.add_argument("--out", default="")
     args = p.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -124,23 +146,30 @@ def main() -> None:
     tokens = args.rows * args.seq
     flops = model_flops_per_token(model, args.seq, args.docs) * tokens
     rows = []
-    for head in ("ours", "naive"):
-        if head == "naive":
-            model.output.forward = types.MethodType(naive_head_forward, model.output)
-        seconds, peak = time_steps(model, optimizer, batch, device, args.warmup, args.steps)
-        tflops = flops / seconds / 1e12
-        rows.append(
-            dict(head=head, step_ms=seconds * 1e3, tokens_per_s=tokens / seconds,
-                 model_tflops=tflops, mfu=tflops / PEAK_BF16_TFLOPS, peak_gib=peak)
-        )  # fmt: skip
+    for mode in (args.modes or ("eager" if args.smoke else "eager,compiled")).split(","):
+        if mode == "compiled":
+            apply_compile(model)
+        for head in ("ours", "naive"):
+            if head == "naive":
+                model.output.forward = types.MethodType(naive_head_forward, model.output)
+            seconds, peak = time_steps(model, optimizer, batch, device, args.warmup, args.steps)
+            if args.profile:
+                profile_step(model, optimizer, batch, f"{mode}-{head}")
+            vars(model.output).pop("forward", None)  # back to LogProbHead.forward
+            tflops = flops / seconds / 1e12
+            rows.append(
+                dict(mode=mode, head=head, step_ms=seconds * 1e3, tokens_per_s=tokens / seconds,
+                     model_tflops=tflops, mfu=tflops / PEAK_BF16_TFLOPS, peak_gib=peak)
+            )  # fmt: skip
     print(f"\n{_device_name(device)}; flavor {args.flavor}, {args.rows} x {args.seq} tokens, "
           f"{args.docs} docs/row, bf16; median of {args.steps} steps")  # fmt: skip
     print(
-        "| head | step ms | tokens/s | model TFLOP/s | MFU | peak GiB |\n|---|---|---|---|---|---|"
+        "| blocks | head | step ms | tokens/s | model TFLOP/s | MFU | peak GiB |\n"
+        "|---|---|---|---|---|---|---|"
     )
     for r in rows:
         peak = "" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-        print(f"| {r['head']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+        print(f"| {r['mode']} | {r['head']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
               f"{r['model_tflops']:.1f} | {r['mfu']:.1%} | {peak} |")  # fmt: skip
     out = Path(args.out or Path(os.environ.get("OUT", "outputs")) / "bench_train.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,17 @@ def test_user_mistakes_name_the_key(override, needle):
     assert needle in str(e.value)
 
 
+def test_training_compile_is_off_by_default_and_must_be_a_bool():
+    from torchtitan_rl.training.trainer_config import TrainingConfig
+
+    assert load_config(TINY).training.compile is False
+    assert load_config(TINY, ["--training.compile=true"]).training.compile is True
+    with pytest.raises(ConfigError, match="training.compile"):
+        load_config(TINY, ["--training.compile=yes"])
+    with pytest.raises(ValueError, match="training.compile must be true or false, got 1"):
+        TrainingConfig(compile=1).validate()
+
+
 def test_toml_syntax_error_names_the_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[job\nseed = 1\n")

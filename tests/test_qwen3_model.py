@@ -9,7 +9,12 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-from torchtitan_rl.models.qwen3 import ModelConfig, build_model, document_attention_mask
+from torchtitan_rl.models.qwen3 import (
+    ModelConfig,
+    build_model,
+    document_attention_mask,
+    document_block_mask,
+)
 
 VOCAB = 128
 
@@ -57,6 +62,39 @@ def test_padding_does_not_change_real_tokens():
         lp, _ = model(tokens, positions, docs, torch.arange(6), targets)
         ref = _full_logprobs(model, tokens[:, :6])[0].gather(-1, targets[:, None])[:, 0]
     torch.testing.assert_close(lp.double(), ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("S", [256, 200, 40])
+def test_document_block_mask_covers_exactly_the_allowed_pairs(S):
+    """Every allowed (query, key) pair lies in a kept tile, a full tile holds only allowed
+    pairs, and a tile is never both; S need not be a multiple of the block."""
+    rng = np.random.default_rng(S)
+    docs = np.full((3, S), -1)
+    for r, used in enumerate([S - 8, S - 60, S]):  # packed documents, then padding
+        pos, doc = 0, 0
+        while pos < used:
+            n = min(int(rng.integers(1, 90)), used - pos)
+            docs[r, pos : pos + n], pos, doc = doc, pos + n, doc + 1
+    docs_BS = torch.from_numpy(docs)
+    block = 32
+    mask = document_block_mask(docs_BS, block=block)
+    allowed_BSS = document_attention_mask(docs_BS).dense_B1SS[:, 0]
+
+    def tiles(num_B1N, idx_B1NN):
+        nb = idx_B1NN.shape[-1]
+        keep = torch.arange(nb)[None, None] < num_B1N[:, 0, :, None]
+        out = torch.zeros(docs_BS.shape[0], nb, nb, dtype=torch.bool)
+        out.scatter_(2, idx_B1NN[:, 0].long(), keep)
+        return out.repeat_interleave(block, 1).repeat_interleave(block, 2)[:, :S, :S]
+
+    partial = tiles(mask.kv_num_blocks, mask.kv_indices)
+    full = tiles(mask.full_kv_num_blocks, mask.full_kv_indices)
+    assert not (partial & full).any()
+    assert not (allowed_BSS & ~(partial | full)).any()
+    assert not (full & ~allowed_BSS).any()
+    assert (partial & ~allowed_BSS).any()  # kept tiles may hold masked pairs
+    assert full.any() or S < 2 * block
+    assert mask.seq_lengths == (S, S)
 
 
 def test_gradients_reach_every_parameter():

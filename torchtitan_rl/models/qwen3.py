@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 from torchtitan.models.attention import FlexAttentionWrapper
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs, qwen3_args
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
@@ -125,13 +125,52 @@ def document_attention_mask(document_ids_BS: torch.Tensor) -> BlockMask:
         same_doc = document_ids_BS[:, :, None] == document_ids_BS[:, None, :]
         causal = torch.ones_like(same_doc[0]).tril_()
         return DocumentMask((same_doc & causal)[:, None])
+    return document_block_mask(document_ids_BS)
+
+
+MASK_BLOCK = 128
+"""Tokens per side of a FlexAttention mask tile (its default sparse block size)."""
+
+
+def document_block_mask(document_ids_BS: torch.Tensor, block: int = MASK_BLOCK) -> BlockMask:
+    """The FlexAttention BlockMask of `document_attention_mask`, built per tile of
+    block x block tokens from each block's range of document ids, O(B * (S / block)^2),
+    instead of evaluating all B * S * S token pairs (create_block_mask's way).
+
+    Tile (query block i, key block j) is kept when j <= i and the two id ranges overlap:
+    a superset of the tiles holding an allowed pair, whose tokens mask_mod then settles. It
+    is full (mask_mod skipped) when j < i, both blocks lie inside S and all their tokens
+    belong to one and the same document.
+    """
     docs = document_ids_BS
+    B, S = docs.shape
+    nb = -(-S // block)
+    tail_B = docs[:, -1:].expand(B, nb * block - S)  # repeat the last id: ranges unchanged
+    blocks_BNK = torch.cat([docs, tail_B], dim=1).view(B, nb, block)
+    lo_BN, hi_BN = blocks_BNK.amin(-1), blocks_BNK.amax(-1)
+    q_lo, q_hi = lo_BN[:, :, None], hi_BN[:, :, None]  # query block i, [B, N, 1]
+    k_lo, k_hi = lo_BN[:, None, :], hi_BN[:, None, :]  # key block j, [B, 1, N]
+    i = torch.arange(nb, device=docs.device)
+    inside_N = (i + 1) * block <= S  # S need not fill the last block
+    one_doc_BN = (lo_BN == hi_BN) & inside_N
+    full_BNN = (i[:, None] > i) & one_doc_BN[:, :, None] & one_doc_BN[:, None, :] & (q_lo == k_lo)
+    partial_BNN = (i[:, None] >= i) & (q_lo <= k_hi) & (k_lo <= q_hi) & ~full_BNN
 
     def mask_mod(b, h, q, kv):
         return (q >= kv) & (docs[b, q] == docs[b, kv])
 
-    B, S = docs.shape
-    return create_block_mask(mask_mod, B, None, S, S, device=docs.device)
+    return BlockMask.from_kv_blocks(
+        *_ordered_blocks(partial_BNN), *_ordered_blocks(full_BNN),
+        BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(S, S),
+    )  # fmt: skip
+
+
+def _ordered_blocks(tiles_BNN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query block: how many key blocks are kept, and their indices (kept ones first,
+    ascending), shaped [B, 1, N] and [B, 1, N, N] for one broadcast head."""
+    tiles = tiles_BNN[:, None].to(torch.int32)
+    order = torch.argsort(tiles, dim=-1, descending=True, stable=True)
+    return tiles.sum(-1, dtype=torch.int32), order.to(torch.int32)
 
 
 class LogProbHead(nn.Linear):

@@ -117,6 +117,21 @@ def apply_tp(model: PolicyModel, tp_mesh: DeviceMesh) -> None:
         head.weight = nn.Parameter(distribute_tensor(head.weight.detach(), tp_mesh, [Shard(0)]))
 
 
+def apply_compile(model: PolicyModel, backend: str = "inductor") -> None:
+    """torch.compile each transformer block, as torchtitan does: one full graph per block,
+    shared by all blocks (parameters are graph inputs, so 28 blocks compile once).
+
+    Only `forward` is replaced, in place, so parameter names (checkpoints, weight sync, the
+    Hugging Face export) stay as they are and FSDP's hooks, which run around `forward`, stay
+    eager. The document mask enters each block as an input: its tensors change with every
+    batch but keep their shapes (the batcher pads every microbatch to [R, S]), so a new batch
+    reuses the graph; eval under no_grad compiles a second one. `backend`: tests trace with
+    "aot_eager" to check graph capture without generating kernels.
+    """
+    for block in model.layers.values():
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
+
+
 def _shard_blocks_and_root(model: PolicyModel, mesh: DeviceMesh, param_dtype) -> None:
     """One FSDP group per block, the embedding, final norm and head in the root group."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)

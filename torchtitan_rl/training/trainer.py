@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_rl.losses.corrections import CorrectionConfig, correction_weights
 from torchtitan_rl.losses.policy_loss import LossConfig, policy_loss
 from torchtitan_rl.models.qwen3 import ModelConfig, PolicyModel, build_model
-from torchtitan_rl.training.parallelize import apply_fsdp, apply_tp_fsdp
+from torchtitan_rl.training.parallelize import apply_compile, apply_fsdp, apply_tp_fsdp
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
 from torchtitan_rl.types import Microbatch
 
@@ -60,6 +60,8 @@ class TrainerCore:
             apply_fsdp(self.model, device, DTYPES[training.dtype])
         elif tp > 1:
             raise ValueError(f"parallelism.tp={tp} needs a process group of tp ranks")
+        if training.compile:
+            apply_compile(self.model)
         self.dp_rank = dist.get_rank() // tp if self.distributed else 0
         """Which of the batcher's per-rank microbatch lists this rank trains on."""
         self.policy_version = 0
@@ -71,8 +73,12 @@ class TrainerCore:
         self.skipped_steps = 0
 
     def _adamw(self, lr: float) -> torch.optim.Optimizer:
+        # One fused kernel over all parameters on GPU; CPU keeps the default implementation.
         return torch.optim.AdamW(
-            self.model.parameters(), lr=lr, weight_decay=self.training.weight_decay
+            self.model.parameters(),
+            lr=lr,
+            weight_decay=self.training.weight_decay,
+            fused=self.device.type == "cuda",
         )
 
     # ---- forward ----------------------------------------------------------------------

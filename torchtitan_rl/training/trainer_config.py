@@ -26,6 +26,10 @@ class TrainingConfig:
     """Gradient clipping by global norm; 0 disables."""
     dtype: str = "float32"
     """Parameter dtype for forward/backward: "float32" or "bfloat16" (GPU)."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (one graph per block: norms, RoPE,
+    attention and MLP fused by Inductor). The first step pays the compilation (~10 s for
+    Qwen3-0.6B on an H200); meant for GPU, works on CPU too."""
 
     def validate(self) -> None:
         if self.steps < 0:
@@ -38,6 +42,8 @@ class TrainingConfig:
             raise ValueError(f"training.lr must be > 0, got {self.lr}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"training.dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"training.compile must be true or false, got {self.compile!r}")
 
 
 @dataclass(kw_only=True, slots=True)
