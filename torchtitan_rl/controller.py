@@ -35,6 +35,7 @@ from torchtitan_rl.summary import SUMMARY_TAGS
 from torchtitan_rl.supervision import SupervisionError, Supervisor
 from torchtitan_rl.types import Episode, RolloutGroup, SamplingParams
 from torchtitan_rl.warm_start import demonstration_episodes
+from torchtitan_rl.weight_transport import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,10 @@ class Controller:
         fns = [ActorGenerateFn(g) for g in self.generators]
         self.router = Router(fns) if replicas > 1 else None
         self.generate_fn = self.router or fns[0]
+        self.weight_sync = await WeightSync.create(
+            self.trainer, self.generators, cfg.generator.dtype
+        )
+        logger.info("weight sync: %s", self.weight_sync.transport)
         if state is not None:
             await self.restore(latest, state)
         await self.sync_weights()
@@ -174,12 +179,9 @@ class Controller:
         )
 
     async def sync_weights(self) -> float:
-        """Trainer publishes its weights (one packed buffer); every generator loads them."""
-        t0 = time.perf_counter()
-        weights = await self.trainer.publish_weights.call(self.config.generator.dtype)
-        packed = [p for p in weights.values() if p]
-        await asyncio.gather(*(g.load_weights.call_one(packed[0]) for g in self.generators))
-        return time.perf_counter() - t0
+        """Every generator gets the trainer's current weights (see weight_transport.py);
+        returns the seconds it took."""
+        return await self.weight_sync()
 
     async def close(self) -> None:
         """Stop the actors and meshes (bounded waits: an actor may be dead or stuck)."""

@@ -11,7 +11,13 @@ from monarch.actor import Actor, concurrent_endpoint
 from torchtitan_rl.generation.engine import Engine, EngineConfig
 from torchtitan_rl.models.qwen3 import ModelConfig, build_model
 from torchtitan_rl.training.parallelize import pick_device
-from torchtitan_rl.training.weight_sync import PackedWeights, unpack_weights
+from torchtitan_rl.training.weight_sync import (
+    PackedWeights,
+    SharedReader,
+    SharedWeights,
+    unpack_weights,
+    visible_cuda_uuids,
+)
 from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 
 
@@ -28,6 +34,7 @@ class GeneratorActor(Actor):
     ):
         dev = pick_device(device, cpu_threads)
         self.engine = Engine(build_model(model, vocab_size, dev), engine, dev)
+        self.shared_reader = SharedReader(dev)
 
     @concurrent_endpoint
     async def generate(
@@ -58,6 +65,26 @@ class GeneratorActor(Actor):
         return packed.version
 
     @concurrent_endpoint
+    async def cuda_uuids(self) -> list[str]:
+        """GPUs this process can open (a trainer GPU among them allows `load_shared_weights`)."""
+        return visible_cuda_uuids()
+
+    @concurrent_endpoint
+    async def load_shared_weights(self, shared: SharedWeights, receiver: int) -> int:
+        """Copy the trainer's GPU buffer (CUDA IPC, `shared.handles[receiver]`) into this
+        process's memory, then queue it like `load_weights`. Returns the version once the
+        copy has finished: from then on the trainer may overwrite its buffer."""
+        packed = self.shared_reader.read(shared, receiver)
+        self.engine.load_weights(unpack_weights(packed), packed.version)
+        return packed.version
+
+    @concurrent_endpoint
+    async def weights(self) -> dict[str, torch.Tensor]:
+        """The weights the engine computes with now, as CPU tensors (tests, debugging)."""
+        params = self.engine.runner.model.named_parameters(remove_duplicate=False)
+        return {k: v.detach().cpu() for k, v in params}
+
+    @concurrent_endpoint
     async def policy_version(self) -> int:
         return self.engine.policy_version
 
@@ -69,4 +96,5 @@ class GeneratorActor(Actor):
     @concurrent_endpoint
     async def close(self) -> None:
         await self.engine.close()
+        self.shared_reader.close()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None

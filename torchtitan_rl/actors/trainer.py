@@ -14,7 +14,16 @@ from torchtitan_rl.training.checkpoint import load_trainer_state, save_trainer_s
 from torchtitan_rl.training.parallelize import init_process_group, pick_device
 from torchtitan_rl.training.trainer import DTYPES, TrainerCore
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
-from torchtitan_rl.training.weight_sync import PackedWeights, pack_weights
+from torchtitan_rl.training.weight_sync import (
+    PackedWeights,
+    SharedBuffer,
+    SharedWeights,
+    cuda_uuid,
+    gather_into,
+    make_layout,
+    pack_weights,
+    sharded_state,
+)
 from torchtitan_rl.types import Microbatch
 
 
@@ -47,6 +56,8 @@ class TrainerActor(Actor):
             tp=tp,
         )
         self.sft_optimizer = None
+        self.shared: SharedBuffer | None = None
+        """Rank 0's GPU buffer for same-host weight syncs, made by the first `share_weights`."""
 
     @endpoint
     async def train_step(self, batches: list[list[Microbatch]], temperature: float) -> dict:
@@ -71,6 +82,29 @@ class TrainerActor(Actor):
         if self.rank != 0:
             return None
         return pack_weights(state, self.core.policy_version, DTYPES[dtype])
+
+    @endpoint
+    async def cuda_uuid(self) -> str | None:
+        """Rank 0's GPU (None on other ranks and on CPU): generators that see this GPU can
+        take `share_weights`."""
+        if self.rank != 0 or self.core.device.type != "cuda":
+            return None
+        return cuda_uuid(self.core.device)
+
+    @endpoint
+    async def share_weights(self, dtype: str, receivers: int) -> SharedWeights | None:
+        """Every rank gathers on its GPU; rank 0 packs the full weights in `dtype` into its
+        GPU buffer (kept and reused across syncs) and returns CUDA IPC handles to it, one
+        per receiver. Same values as `publish_weights`."""
+        state = sharded_state(self.core.model)
+        if self.rank != 0:
+            gather_into(state, None)
+            return None
+        layout, numel = make_layout(state)
+        if self.shared is None or not self.shared.fits(layout, DTYPES[dtype]):
+            self.shared = SharedBuffer(layout, numel, DTYPES[dtype], self.core.device)
+        gather_into(state, self.shared.flat_P)
+        return self.shared.publish(self.core.policy_version, receivers)
 
     @endpoint
     async def save_checkpoint(self, folder: str) -> None:

@@ -1,0 +1,68 @@
+"""Moving the trainer's weights to every generator replica; the transport is chosen once.
+
+- `CUDA_IPC`: trainer rank 0 and every generator on GPUs of one host. Rank 0 packs the weights
+  into a GPU buffer it keeps for the run and returns CUDA IPC handles to it; each generator
+  opens the buffer and copies it device to device. Only those handles pass through Monarch.
+- `CONTROLLER`: anything else (CPU, another host). Rank 0 returns the packed buffer on CPU
+  and the controller passes it to each generator.
+
+Either way a sync returns once every generator holds its own copy of version v, which its
+engine applies between engine steps (generation/engine.py, `weight_sync_mode`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from enum import StrEnum
+
+
+class WeightTransport(StrEnum):
+    CUDA_IPC = "cuda_ipc"
+    CONTROLLER = "controller"
+
+
+async def choose_transport(trainer, generators) -> WeightTransport:
+    """CUDA_IPC when every generator process sees trainer rank 0's GPU, else CONTROLLER."""
+    uuids = [u for u in (await trainer.cuda_uuid.call()).values() if u]
+    if not uuids:
+        return WeightTransport.CONTROLLER
+    seen = await asyncio.gather(*(g.cuda_uuids.call_one() for g in generators))
+    if all(uuids[0] in s for s in seen):
+        return WeightTransport.CUDA_IPC
+    return WeightTransport.CONTROLLER
+
+
+class WeightSync:
+    """`await sync()` pushes the trainer's current weights, in `dtype` ("float32" |
+    "bfloat16", the generators' dtype), to every generator; returns the seconds it took."""
+
+    def __init__(self, trainer, generators, dtype: str, transport: WeightTransport):
+        self.trainer = trainer
+        self.generators = list(generators)
+        self.dtype = dtype
+        self.transport = transport
+
+    @classmethod
+    async def create(cls, trainer, generators, dtype: str) -> WeightSync:
+        return cls(trainer, generators, dtype, await choose_transport(trainer, generators))
+
+    async def __call__(self) -> float:
+        t0 = time.perf_counter()
+        if self.transport is WeightTransport.CUDA_IPC:
+            out = await self.trainer.share_weights.call(self.dtype, len(self.generators))
+            shared = _rank0(out)
+            await asyncio.gather(
+                *(g.load_shared_weights.call_one(shared, i) for i, g in enumerate(self.generators))
+            )
+        else:
+            packed = _rank0(await self.trainer.publish_weights.call(self.dtype))
+            await asyncio.gather(*(g.load_weights.call_one(packed) for g in self.generators))
+        return time.perf_counter() - t0
+
+
+def _rank0(values):
+    """The one non-None value of a trainer mesh call (rank 0 answers, the others say None)."""
+    found = [v for v in values.values() if v is not None]
+    assert len(found) == 1, f"expected one rank to answer, got {len(found)}"
+    return found[0]
