@@ -34,7 +34,7 @@ async def choose_transport(trainer, generators) -> WeightTransport:
 
 
 class WeightSync:
-    """`await sync()` pushes the trainer's current weights, in `dtype` ("float32" |
+    """`await weight_sync()` pushes the trainer's current weights, in `dtype` ("float32" |
     "bfloat16", the generators' dtype), to every generator; returns the seconds it took."""
 
     def __init__(self, trainer, generators, dtype: str, transport: WeightTransport):
