@@ -1,6 +1,7 @@
-"""Weight sync: the on-device gather equals the CPU packing bit for bit, the transport is
-chosen from which GPUs the processes see, every replica gets its own IPC handle, and (on a
-GPU) every generator holds the trainer's weights bit for bit after a CUDA IPC sync."""
+"""Weight sync: the on-device gather equals the CPU packing bit for bit, a tied weight is
+packed once, the batched copy equals the per-tensor gather, the transport is chosen from
+which GPUs the processes see, every replica gets its own IPC handle, and (on a GPU) every
+generator holds the trainer's weights bit for bit after a CUDA IPC sync."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan_rl.generation.engine import Engine, EngineConfig
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
-from torchtitan_rl.models.qwen3 import ModelConfig
+from torchtitan_rl.models import qwen3
+from torchtitan_rl.models.qwen3 import ModelConfig, build_model
+from torchtitan_rl.training import weight_sync
 from torchtitan_rl.training.trainer import TrainerCore
 from torchtitan_rl.training.trainer_config import TrainingConfig
 from torchtitan_rl.training.weight_sync import (
@@ -28,31 +33,176 @@ from torchtitan_rl.training.weight_sync import (
 from torchtitan_rl.weight_transport import WeightSync, WeightTransport, choose_transport
 
 ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 96
+TIED = ("tok_embeddings.weight", "output.weight")
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo group, so TrainerCore shards its model with FSDP (DTensors)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _core(monkeypatch, tied: bool) -> TrainerCore:
+    """The tiny policy (tied like Qwen3 0.6B when `tied`), with weights that bf16 rounds."""
+    args = {**qwen3.TINY_ARGS, "enable_weight_tying": tied}
+    monkeypatch.setitem(qwen3.BUILTIN_ARGS, "tiny", args)
+    return TrainerCore(
+        model_config=ModelConfig(max_seq_len=64),
+        training=TrainingConfig(),
+        loss=LossConfig(),
+        correction=CorrectionConfig(),
+        vocab_size=VOCAB,
+        device=torch.device("cpu"),
+        seed=0,
+    )
+
+
+def _loop_packing(state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The reference: one copy per name at its layout offset (tied names write twice)."""
+    layout, numel = make_layout(state)
+    flat_P = torch.full((numel,), float("nan"), dtype=dtype)
+    for name, _, start in layout:
+        t = state[name]
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        flat_P[start : start + full.numel()].copy_(full.reshape(-1))
+    return flat_P
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_into_equals_packing_the_full_state_dict_under_fsdp(
+    one_rank, monkeypatch, dtype, tied
+):
+    core = _core(monkeypatch, tied)
+    state = sharded_state(core.model)
+    assert any(isinstance(t, DTensor) for t in state.values()), "FSDP shards gathered"
+    full = core.full_state_dict()
+    layout, numel = make_layout(state)
+    flat_P = torch.full((numel,), float("nan"), dtype=dtype)
+    gather_into(state, flat_P)
+    assert [(n, s) for n, s, _ in layout] == [(n, tuple(t.shape)) for n, t in full.items()]
+    assert torch.equal(flat_P, _loop_packing(full, dtype))
+    offsets = {name: start for name, _, start in layout}
+    embedding = VOCAB * qwen3.TINY_ARGS["dim"]
+    total = sum(t.numel() for t in full.values())
+    if tied:
+        assert offsets[TIED[0]] == offsets[TIED[1]] and numel == total - embedding
+    else:
+        assert offsets[TIED[0]] != offsets[TIED[1]] and numel == total
+        assert layout == pack_weights(full, version=0, dtype=dtype).layout
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(7, 3)
+        self.norm = nn.LayerNorm(3, bias=False)
+        self.head = nn.Linear(3, 7, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_tied_weight_is_packed_once_and_unpacks_as_two_views_of_it():
+    model = _Tied()
+    state = model.state_dict()  # detached entries: distinct objects, one storage
+    assert state["embed.weight"] is not state["head.weight"]
+    packed = pack_weights(state, version=1, dtype=torch.bfloat16)
+    assert packed.flat_P.numel() == 7 * 3 + 3
+    back = unpack_weights(packed)
+    assert back["embed.weight"].data_ptr() == back["head.weight"].data_ptr()
+    for name in ("embed.weight", "head.weight", "norm.weight"):
+        assert torch.equal(back[name], state[name].to(torch.bfloat16)), name
+
+
+def test_views_of_one_storage_alias_only_when_they_are_the_same_view():
+    base = torch.randn(12)
+    state = {"a": base[:6], "same": base[:6].view(6), "b": base[6:], "a4": base[:4]}
+    layout, numel = make_layout(state)
+    offsets = {name: start for name, _, start in layout}
+    assert offsets["same"] == offsets["a"]
+    assert len({offsets["a"], offsets["b"], offsets["a4"]}) == 3 and numel == 6 + 6 + 4
+    back = unpack_weights(pack_weights(state, version=0))
+    assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_into_equals_packing_the_full_state_dict_under_fsdp(dtype):
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        core = TrainerCore(
-            model_config=ModelConfig(max_seq_len=64),
-            training=TrainingConfig(),
-            loss=LossConfig(),
-            correction=CorrectionConfig(),
-            vocab_size=96,
-            device=torch.device("cpu"),
-            seed=0,
-        )
-        state = sharded_state(core.model)
-        assert any(isinstance(t, DTensor) for t in state.values()), "FSDP shards gathered"
-        expected = pack_weights(core.full_state_dict(), version=0, dtype=dtype)
-        layout, numel = make_layout(state)
-        flat_P = torch.full((numel,), float("nan"), dtype=dtype)
-        gather_into(state, flat_P)
-    finally:
-        dist.destroy_process_group()
-    assert layout == expected.layout
-    assert torch.equal(flat_P, expected.flat_P)
+def test_batched_copy_equals_the_per_tensor_loop_for_plain_tensors(dtype):
+    torch.manual_seed(0)
+    state = {"w": torch.randn(5, 3), "t": torch.randn(3, 4).t(), "b": torch.randn(7)}
+    layout, numel = make_layout(state)
+    flat_P = torch.full((numel,), float("nan"), dtype=dtype)
+    gather_into(state, flat_P)
+    assert torch.equal(flat_P, _loop_packing(state, dtype))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_rank_packs_without_gathers_and_equals_the_gather_path(
+    one_rank, monkeypatch, dtype, tied
+):
+    state = sharded_state(_core(monkeypatch, tied).model)
+    layout, numel = make_layout(state)
+    gathered = []
+
+    def counted_full_tensor(self):
+        gathered.append(self)
+        return DTensor.to_local(self).clone()  # a one-rank mesh: the shard is the tensor
+
+    fast_P = torch.full((numel,), float("nan"), dtype=dtype)
+    with monkeypatch.context() as m:
+        m.setattr(DTensor, "full_tensor", counted_full_tensor)
+        gather_into(state, fast_P)
+        assert gathered == [], "one rank: nothing to gather"
+        m.setattr(weight_sync, "_is_whole", lambda t: not isinstance(t, DTensor))
+        loop_P = torch.full((numel,), float("nan"), dtype=dtype)
+        gather_into(state, loop_P)
+    assert len(gathered) == len(state) - tied, "the gather path gathers each tensor once"
+    assert torch.equal(fast_P, loop_P)
+    assert torch.equal(fast_P, _loop_packing(state, dtype))
+
+
+def _publish(core: TrainerCore, dtype: str, rank: int = 0):
+    """The trainer actor's `publish_weights` endpoint, run on a bare actor (no Monarch)."""
+    from torchtitan_rl.actors.trainer import TrainerActor
+
+    actor = TrainerActor.__new__(TrainerActor)
+    actor.rank, actor.core = rank, core
+    return asyncio.run(TrainerActor.__dict__["publish_weights"]._method(actor, dtype))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_publish_weights_round_trips_the_full_state_dict_in_the_dtype(
+    one_rank, monkeypatch, dtype, tied
+):
+    core = _core(monkeypatch, tied)
+    packed = _publish(core, dtype)
+    assert _publish(core, dtype, rank=1) is None
+    want = getattr(torch, dtype)
+    assert packed.flat_P.device.type == "cpu" and packed.flat_P.dtype == want
+    back, full = unpack_weights(packed), core.full_state_dict()
+    assert list(back) == list(full)
+    for name, t in full.items():
+        assert torch.equal(back[name], t.to(want)), name
+    if tied:
+        assert back[TIED[0]].data_ptr() == back[TIED[1]].data_ptr()
+
+
+def test_a_tied_generator_applies_aliased_weights(one_rank, monkeypatch):
+    trainer = _core(monkeypatch, tied=True)
+    packed = _publish(trainer, "float32")
+    torch.manual_seed(1)  # other initial weights than the trainer's
+    model = build_model(ModelConfig(max_seq_len=64), VOCAB, torch.device("cpu"))
+    assert model.output.weight is model.tok_embeddings.weight
+    engine = Engine(model, EngineConfig(max_num_seqs=2, max_seq_len=64), "cpu")
+    engine.load_weights(unpack_weights(packed), packed.version)
+    full = trainer.full_state_dict()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert model.output.weight is model.tok_embeddings.weight
+    for name, t in full.items():
+        assert torch.equal(params[name], t), name
 
 
 class _Values:

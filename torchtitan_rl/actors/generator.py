@@ -59,9 +59,13 @@ class GeneratorActor(Actor):
 
     @concurrent_endpoint
     async def load_weights(self, packed: PackedWeights) -> int:
-        """Queue new weights; the engine applies them between steps. Returns the version."""
-        state = {k: v.clone() for k, v in unpack_weights(packed).items()}
-        self.engine.load_weights(state, packed.version)
+        """Queue new weights; the engine applies them between steps. Returns the version.
+        The engine keeps the tensors until it applies them, so they get memory of their own:
+        one copy of the whole buffer (tied names stay views of one tensor)."""
+        own = PackedWeights(
+            version=packed.version, flat_P=packed.flat_P.clone(), layout=packed.layout
+        )
+        self.engine.load_weights(unpack_weights(own), packed.version)
         return packed.version
 
     @concurrent_endpoint

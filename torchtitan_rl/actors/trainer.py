@@ -75,11 +75,13 @@ class TrainerActor(Actor):
 
     @endpoint
     async def publish_weights(self, dtype: str = "float32") -> PackedWeights | None:
-        """Every rank gathers; rank 0 returns the full weights as one packed buffer in
+        """Every rank gathers; rank 0 returns the full weights as one packed CPU buffer in
         `dtype` ("float32" | "bfloat16"): the generator's dtype, so a bf16 generator gets
-        half the bytes and the same values it would round to on load."""
-        state = self.core.full_state_dict()
+        half the bytes and the same values it would round to on load. Packed straight
+        from the shards (no fp32 full copy of the model); same values as `share_weights`."""
+        state = sharded_state(self.core.model)
         if self.rank != 0:
+            gather_into(state, None)
             return None
         return pack_weights(state, self.core.policy_version, DTYPES[dtype])
 

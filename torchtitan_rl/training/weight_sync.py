@@ -1,7 +1,14 @@
 """Weights as one flat buffer plus a layout, so a sync is one message, not one per tensor.
 
 layout = [(name, shape, offset), ...]   # offsets into flat_P, in elements
-flat_P = concat(t.flatten() for t in state.values())   # one dtype
+flat_P = concat(t.flatten() for each distinct tensor of state)   # one dtype
+
+A tensor under two names (a tied weight: Qwen3's `tok_embeddings.weight` is
+`output.weight`) is packed once; both entries carry the same offset, e.g. for an embedding
+E [V, D] and a norm N [D]:
+    layout = [("tok_embeddings.weight", (V, D), 0), ("norm.weight", (D,), V*D),
+              ("output.weight", (V, D), 0)]          # flat_P.numel() == V*D + D
+and `unpack_weights` returns two views of the same memory.
 
 Two ways to hand the buffer to a generator (torchtitan_rl/weight_transport.py picks one):
 - `PackedWeights`: the buffer itself, on CPU; it travels through the controller (any hosts).
@@ -18,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
@@ -36,28 +42,70 @@ class PackedWeights:
         return self.flat_P.numel() * self.flat_P.element_size()
 
 
-def make_layout(state: dict[str, torch.Tensor]) -> tuple[Layout, int]:
-    """(layout, total elements) of `state` packed in its order; shapes are global shapes
-    (a DTensor shard counts as its full tensor)."""
-    layout, offset = [], 0
+def _alias_key(t: torch.Tensor) -> tuple | None:
+    """Equal keys = the same weight under two names: the same view of the same local memory
+    (`model.state_dict()` detaches each entry, so identity alone misses them). None for a
+    tensor without memory (an empty shard), which aliases by identity only."""
+    local = _local(t)
+    ptr = local.untyped_storage().data_ptr()
+    if ptr == 0:
+        return None
+    shape = (tuple(t.shape), tuple(local.shape), local.stride(), local.storage_offset())
+    return (local.device, local.dtype, ptr, *shape)
+
+
+@torch.no_grad()  # DTensor.to_local is an autograd op otherwise, 5 us per tensor
+def _plan(state: dict[str, torch.Tensor]) -> tuple[Layout, int, list[str]]:
+    """(layout, total elements, names that own their bytes: the first name of each tensor).
+
+    Under a multi-rank mesh every rank must find the same aliases (they skip the same
+    gathers). Identity settles it for `sharded_state`, whose tied names hold one parameter
+    object on every rank, even where a rank's shard is empty and has no address."""
+    layout, owners, offset = [], [], 0
+    first: dict[object, int] = {}
     for name, t in state.items():
+        keys = [id(t), _alias_key(t)]
+        seen = [first[k] for k in keys if k in first]
+        if seen:
+            layout.append((name, tuple(t.shape), seen[0]))
+            continue
+        first.update((k, offset) for k in keys if k is not None)
         layout.append((name, tuple(t.shape), offset))
+        owners.append(name)
         offset += t.numel()
-    return layout, offset
+    return layout, offset, owners
+
+
+def make_layout(state: dict[str, torch.Tensor]) -> tuple[Layout, int]:
+    """(layout, total elements) of `state` packed in its order, each distinct tensor once;
+    shapes are global shapes (a DTensor shard counts as its full tensor)."""
+    layout, numel, _ = _plan(state)
+    return layout, numel
 
 
 def pack_weights(
     state: dict[str, torch.Tensor], version: int, dtype: torch.dtype = torch.float32
 ) -> PackedWeights:
+    """The full weights of `state` as one CPU buffer in `dtype`. A collective when `state`
+    holds shards of a multi-rank mesh (see `gather_into`): the other ranks call
+    `gather_into(state, None)` meanwhile."""
     layout, numel = make_layout(state)
-    flat_P = torch.empty(numel, dtype=dtype)
-    for (_, _, start), t in zip(layout, state.values()):
-        flat_P[start : start + t.numel()].copy_(t.reshape(-1))
-    return PackedWeights(version=version, flat_P=flat_P, layout=layout)
+    device = _local(next(iter(state.values()))).device if state else torch.device("cpu")
+    # From a GPU, pinned memory takes the copy ~30x faster (0.6B bf16 on an H200: 22 ms, not
+    # 620 ms); torch's host allocator keeps the pinned block for the next sync.
+    out_P = torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
+    if device.type == "cpu" or not all(_is_whole(t) for t in state.values()):
+        # gathered tensors go to CPU one at a time: rank 0 holds no second model on its GPU
+        gather_into(state, out_P)
+    else:  # one rank: one batched copy where the weights live, then one transfer
+        stage_P = torch.empty(numel, dtype=dtype, device=device)
+        gather_into(state, stage_P)
+        out_P.copy_(stage_P)
+    return PackedWeights(version=version, flat_P=out_P, layout=layout)
 
 
 def unpack_weights(packed: PackedWeights) -> dict[str, torch.Tensor]:
-    """Views into packed.flat_P, one per tensor (no copies)."""
+    """Views into packed.flat_P, one per name (no copies; tied names share memory)."""
     out = {}
     for name, shape, start in packed.layout:
         n = 1
@@ -70,21 +118,56 @@ def unpack_weights(packed: PackedWeights) -> dict[str, torch.Tensor]:
 # ---- trainer side: gather on the device ---------------------------------------------------
 def sharded_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every weight as this rank holds it (DTensor shards under FSDP/TP), under the names of
-    the full state dict. No communication."""
-    return get_model_state_dict(model)
+    the full state dict: the parameters themselves (read them under no_grad). No
+    communication.
+
+    `model.state_dict` rather than `get_model_state_dict`: the same tensors under the same
+    names for our models (no wrapper modules: `apply_compile` swaps `forward` in place), in
+    0.5 ms instead of 10 ms for Qwen3 0.6B on an H200 host; FSDP's pre-save hook still
+    hands back shards when the root was left unsharded after a forward. A wrapper module
+    would show in the names, and the generator rejects unknown names.
+    """
+    return model.state_dict(keep_vars=True)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _is_whole(t: torch.Tensor) -> bool:
+    """True when this rank's tensor is the full one: a plain tensor, or a DTensor on a
+    one-rank mesh. The same answer on every rank (mesh sizes are global)."""
+    return not isinstance(t, DTensor) or t.device_mesh.size() == 1
 
 
 @torch.no_grad()
 def gather_into(state: dict[str, torch.Tensor], flat_P: torch.Tensor | None) -> None:
     """Packs the full weights into `flat_P` (in its dtype and on its device, with the
-    layout of `make_layout(state)`). A collective under FSDP/TP: every rank must call it,
-    and every rank gathers one full tensor at a time (extra memory: the largest tensor);
-    only the rank that passes `flat_P` keeps them."""
-    layout, _ = make_layout(state)
-    for (_, _, start), t in zip(layout, state.values(), strict=True):
-        full = t.full_tensor() if isinstance(t, DTensor) else t
+    layout of `make_layout(state)`).
+
+    Whole tensors (`_is_whole`: one trainer rank) need no communication and are packed by
+    one batched `_foreach_copy_` (dtype conversion included) instead of one copy per
+    tensor. Shards of a multi-rank mesh make this a collective: every rank must call it,
+    and every rank gathers one full tensor at a time, in layout order (extra memory: the
+    largest tensor); only the rank that passes `flat_P` keeps them.
+    """
+    _, numel, owners = _plan(state)
+    slots: dict[str, torch.Tensor] = {}
+    if flat_P is not None:
+        assert flat_P.shape == (numel,), (flat_P.shape, numel)
+        # owners hold consecutive offsets (aliases take none), so one split gives every slot
+        sizes = [state[name].numel() for name in owners]
+        slots = {name: s.view(state[name].shape) for name, s in zip(owners, flat_P.split(sizes))}
+    whole = [name for name in owners if _is_whole(state[name])]
+    if flat_P is not None and whole:
+        torch._foreach_copy_([slots[n] for n in whole], [_local(state[n]) for n in whole])
+    for name in owners:
+        t = state[name]
+        if _is_whole(t):
+            continue
+        full = t.full_tensor()
         if flat_P is not None:
-            flat_P[start : start + full.numel()].copy_(full.reshape(-1))
+            slots[name].copy_(full)
 
 
 # ---- CUDA IPC ----------------------------------------------------------------------------
