@@ -7,7 +7,8 @@ LogProbHead) on the same microbatches. Compared: log-probs of the loss tokens be
 step, the loss, the gradient norm, and log-probs after the optimizer step.
 CPU: gloo, fp32, tiny model untied and tied, equal to float32 rounding.
 GPU (2 CUDA devices): NCCL, bf16 mixed precision, tiny untied and the tied Qwen3-0.6B
-shape, within bf16 tolerance; attention runs FlexAttention eagerly (no autotuning), which
+shape, eager and with `training.compile` (TP=1 and TP=2 both compiled), within bf16
+tolerance; attention runs FlexAttention eagerly (no autotuning), which
 keeps the test short and leaves the TP plumbing under test the same.
 """
 
@@ -58,10 +59,10 @@ def _batch(seed=0):
     return batches[0]
 
 
-def _step(device, flavor, dtype, tp, batch):
+def _step(device, flavor, dtype, compile, tp, batch):
     core = TrainerCore(
         model_config=qwen3.ModelConfig(flavor=flavor, max_seq_len=SEQ_LEN),
-        training=TrainingConfig(lr=1e-3, dtype=dtype),
+        training=TrainingConfig(lr=1e-3, dtype=dtype, compile=compile),
         loss=LossConfig(),
         correction=CorrectionConfig(),
         vocab_size=VOCAB,
@@ -93,18 +94,18 @@ def _worker(rank, port, device_type, cases, queue):
             FlexAttentionWrapper._compiled_flex_attn = flex_attention  # eager: no autotuning
         batch = _batch()
         results = {}
-        for flavor, tied, dtype in cases:
+        for flavor, tied, dtype, compile in cases:
             # this process only: the tiny shape with the head tied to the embedding
             qwen3.BUILTIN_ARGS["tiny"] = {**qwen3.TINY_ARGS, "enable_weight_tying": tied}
-            key = (flavor, tied)
+            key = (flavor, tied, compile)
             if rank == 0:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-                results[key, 1] = _step(device, flavor, dtype, 1, batch)
+                results[key, 1] = _step(device, flavor, dtype, compile, 1, batch)
                 dist.destroy_process_group()
             dist.init_process_group(
                 backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
             )
-            results[key, 2] = _step(device, flavor, dtype, 2, batch)
+            results[key, 2] = _step(device, flavor, dtype, compile, 2, batch)
             dist.destroy_process_group()
             port += 1
         queue.put((rank, results))
@@ -161,10 +162,10 @@ def _compare(results, key):
 
 
 def test_tp2_step_equals_tp1_step_on_cpu():
-    cases = [("tiny", False, "float32"), ("tiny", True, "float32")]
+    cases = [("tiny", False, "float32", False), ("tiny", True, "float32", False)]
     results = _run("cpu", cases)
-    for flavor, tied, _ in cases:
-        diffs = _compare(results, (flavor, tied))
+    for flavor, tied, _, compile in cases:
+        diffs = _compare(results, (flavor, tied, compile))
         assert diffs["loss_rel"] < 1e-5 and diffs["grad_norm_rel"] < 1e-5, diffs
         assert diffs["before_max_abs"] < 1e-4 and diffs["after_max_abs"] < 1e-4, diffs
 
@@ -172,10 +173,14 @@ def test_tp2_step_equals_tp1_step_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_tp2_step_matches_tp1_step_on_two_gpus_in_bf16():
-    cases = [("tiny", False, "bfloat16"), ("0.6B", True, "bfloat16")]
+    cases = [
+        ("tiny", False, "bfloat16", False),
+        ("0.6B", True, "bfloat16", False),
+        ("0.6B", True, "bfloat16", True),  # training.compile: per-block torch.compile
+    ]
     results = _run("cuda", cases)
-    for flavor, tied, _ in cases:
-        diffs = _compare(results, (flavor, tied))
+    for flavor, tied, _, compile in cases:
+        diffs = _compare(results, (flavor, tied, compile))
         # bf16 keeps 8 bits of mantissa (relative step 2^-8 = 3.9e-3); TP changes the
         # summation order of every row-parallel matmul, so allow a few such steps
         assert diffs["loss_rel"] < 2e-2 and diffs["grad_norm_rel"] < 2e-2, diffs
