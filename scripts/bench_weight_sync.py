@@ -18,13 +18,13 @@ time of one device-to-device copy of the buffer, measured here (on CPU: one memo
 Writes `bench_weight_sync.json` to --out (default: $OUT, else the current directory).
 
 Measured 2026-11-21, one NVIDIA H200, torch 2.11.0+cu130, `python scripts/bench_weight_sync.py`
-(1.50 GB: the tied embedding is packed under both of its names):
+(1.19 GB: the tied embedding packed once):
 
 | transport                                      |   sync ms | trainer side ms |   cold ms |
 |------------------------------------------------|-----------|-----------------|-----------|
-| ours: CUDA IPC handle, device-to-device copy   |      38.8 |            29.8 |     129.7 |
-| packed CPU buffer through the controller       |    7528.8 |          2500.0 |    8338.6 |
-| floor: one copy at 4,212 GB/s (read + write)   |      0.71 |                 |           |
+| ours: CUDA IPC handle, device-to-device copy   |      12.3 |             6.4 |      45.9 |
+| packed CPU buffer through the controller       |    5296.6 |          1225.4 |    5238.7 |
+| floor: one copy at 4,150 GB/s (read + write)   |      0.57 |                 |           |
 """
 
 from __future__ import annotations

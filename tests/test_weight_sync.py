@@ -296,27 +296,37 @@ async def _ipc_scenario(config):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_generators_hold_the_trainer_weights_bit_for_bit_after_a_cuda_ipc_sync(tmp_path):
+@pytest.mark.parametrize(
+    "trainer_procs, replicas",
+    [
+        (1, 2),  # one trainer rank, two generator replicas: one handle each
+        (2, 1),  # FSDP over two GPUs: rank 1 takes part in the gather, rank 0 shares
+    ],
+)
+def test_generators_hold_the_trainer_weights_bit_for_bit_after_a_cuda_ipc_sync(
+    tmp_path, trainer_procs, replicas
+):
     from torchtitan_rl.config import load_config
 
+    if torch.cuda.device_count() < trainer_procs:
+        pytest.skip(f"needs {trainer_procs} CUDA device(s)")
     config = load_config(
         ROOT / "train_configs" / "alphabet_sort_tiny.toml",
         [
             f"--job.output_dir={tmp_path}",
             "--parallelism.device=cuda",
-            "--parallelism.trainer_procs=1",
+            f"--parallelism.trainer_procs={trainer_procs}",
             "--warm_start.steps=2",
             "--warm_start.batch_size=4",
             "--generator.dtype=bfloat16",
-            "--generator.num_replicas=2",
+            f"--generator.num_replicas={replicas}",
             "--generator.max_num_seqs=4",
             "--generator.cuda_graphs=false",
         ],
     )
     r = asyncio.run(_ipc_scenario(config))
     assert r["transport"] is WeightTransport.CUDA_IPC
-    assert r["version"] == 2 and r["versions"] == [2, 2]
+    assert r["version"] == 2 and r["versions"] == [2] * replicas
     for weights in r["generators"]:
         assert sorted(weights) == sorted(r["trainer"])
         for name, t in r["trainer"].items():

@@ -16,9 +16,9 @@ input dtype, then cuBLAS forms grad_weight[chunk] = g^T hidden (complete, K = N)
 grad_hidden += g weight[chunk] (fp32 accumulator). Cv is sized so g stays within
 DLOGITS_BUFFER_BYTES. FLOPs: 2NDV forward, 6NDV backward (recompute + two products).
 
-Measured on one H200 (T=32768, D=1024, V=151936, bf16; scripts/bench_logprob.py): 69.8 ms
-forward + backward, 0.73 GiB extra. GPU time: forward kernel 16.8 ms, g kernels 18.5 ms,
-the two cuBLAS products 13.9 + 12.2 ms (62.1 ms of kernels). A variant that let cuBLAS
+Measured on one H200 (T=32768, D=1024, V=151936, bf16; scripts/bench_logprob.py): 68.0 ms
+forward + backward, 0.73 GiB extra. GPU time: forward kernel 16.8 ms, g kernels 18.7 ms,
+the two cuBLAS products 13.5 + 12.1 ms (61.7 ms of kernels; the 8NDV floor is 51.3 ms). A variant that let cuBLAS
 write each bf16 logit chunk and kept only the softmax parts in Triton took 81.0 ms (and
 rounds logits to bf16), so it was dropped; a 512 MiB g buffer changed nothing measurable.
 
