@@ -151,6 +151,7 @@ class ModelRunner:
         missing = [name for name, p in self._params.items() if id(p) not in covered]
         if missing:
             raise ValueError(f"state is missing parameters: {missing[:5]}")
+        pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, tensor in state.items():
             param = self._params[name]
             if tuple(tensor.shape) != tuple(param.shape):
@@ -158,7 +159,11 @@ class ModelRunner:
                     f"state[{name!r}] has shape {tuple(tensor.shape)}, "
                     f"expected {tuple(param.shape)}"
                 )
-            param.copy_(tensor)
+            pairs[id(param)] = (param, tensor)  # a tied parameter is written once
+        params, tensors = zip(*pairs.values(), strict=True)
+        # one batched copy (dtype conversion included) instead of one launch per weight
+        with torch.no_grad():
+            torch._foreach_copy_(list(params), list(tensors))
 
     def decode_inputs(self, batch: list[SeqInput], num_rows: int, num_blocks: int):
         """Host-built decode tensors padded to `num_rows` rows and `num_blocks` table
