@@ -7,6 +7,7 @@ token). A rendered message is IM_START + "role\\ncontent" + IM_END + "\\n", like
 from __future__ import annotations
 
 import asyncio
+import socket
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -218,3 +219,19 @@ def tiny_qwen3(seed: int = 0, vocab: int = 97) -> Qwen3Model:
     with torch.no_grad():
         model.init_weights()
     return model
+
+
+def free_ports(n: int) -> int:
+    """First of n consecutive free TCP ports on 127.0.0.1 (one rendezvous each)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        try:
+            for p in range(first, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError("no free ports")

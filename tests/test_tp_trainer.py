@@ -14,7 +14,6 @@ keeps the test short and leaves the TP plumbing under test the same.
 
 from __future__ import annotations
 
-import socket
 import traceback
 
 import numpy as np
@@ -22,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fakes import free_ports
 
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
@@ -113,26 +113,10 @@ def _worker(rank, port, device_type, cases, queue):
         queue.put((rank, traceback.format_exc()))
 
 
-def _free_ports(n: int) -> int:
-    """First of n consecutive free ports (one rendezvous per case)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        try:
-            for p in range(first, first + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return first
-        except OSError:
-            continue
-    raise RuntimeError("no free ports")
-
-
 def _run(device_type, cases):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_ports(len(cases))
+    port = free_ports(len(cases))
     procs = [ctx.Process(target=_worker, args=(r, port, device_type, cases, queue)) for r in (0, 1)]
     for p in procs:
         p.start()

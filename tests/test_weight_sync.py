@@ -190,6 +190,72 @@ def test_publish_weights_round_trips_the_full_state_dict_in_the_dtype(
         assert back[TIED[0]].data_ptr() == back[TIED[1]].data_ptr()
 
 
+def _two_rank_worker(rank, port, queue):
+    """Rank 0 packs, rank 1 joins the gathers; both then build torch's full state dict."""
+    try:
+        torch.set_num_threads(1)
+        qwen3.BUILTIN_ARGS["tiny"] = {**qwen3.TINY_ARGS, "enable_weight_tying": True}
+        out = {}
+        for i, tp in enumerate((1, 2)):  # FSDP over two ranks; then TP=2 (_StridedShard)
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port + i}", rank=rank, world_size=2
+            )
+            core = TrainerCore(
+                model_config=ModelConfig(max_seq_len=64),
+                training=TrainingConfig(),
+                loss=LossConfig(),
+                correction=CorrectionConfig(),
+                vocab_size=VOCAB,
+                device=torch.device("cpu"),
+                seed=0,
+                tp=tp,
+            )
+            state = sharded_state(core.model)
+            if rank == 0:
+                packed = pack_weights(state, 0, torch.bfloat16)
+            else:
+                gather_into(state, None)
+            full = core.full_state_dict()
+            dist.destroy_process_group()
+            if rank == 0:  # compared here: tensors do not survive this process in a queue
+                back = unpack_weights(packed)
+                out[tp] = dict(
+                    numel=packed.flat_P.numel(),
+                    distinct=sum(t.numel() for k, t in full.items() if k != "output.weight"),
+                    names=(list(back), list(full)),
+                    differ=[k for k, t in full.items() if not torch.equal(back[k], t.bfloat16())],
+                )
+        queue.put((rank, out))
+    except Exception:
+        import traceback
+
+        queue.put((rank, traceback.format_exc()))
+
+
+def test_two_ranks_pack_the_full_weights_once_under_fsdp_and_tp():
+    """Two gloo ranks, tied tiny model: what rank 0 packs from the shards equals torch's full
+    state dict cast to bf16, bit for bit, with the tied weight stored once."""
+    import torch.multiprocessing as mp
+    from fakes import free_ports
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_ports(2)
+    procs = [ctx.Process(target=_two_rank_worker, args=(r, port, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for rank, r in results.items():
+        assert not isinstance(r, str), f"rank {rank}:\n{r}"
+    assert sorted(results[0]) == [1, 2]
+    for tp, r in results[0].items():
+        assert r["numel"] == r["distinct"], tp
+        assert r["names"][0] == r["names"][1], tp
+        assert r["differ"] == [], tp
+
+
 def test_a_tied_generator_applies_aliased_weights(one_rank, monkeypatch):
     trainer = _core(monkeypatch, tied=True)
     packed = _publish(trainer, "float32")
@@ -282,12 +348,11 @@ async def _ipc_scenario(config):
     try:
         await controller.start()  # the first sync
         await controller.warm_start()  # optimizer steps, then a second sync into the same buffer
-        out = await controller.trainer.publish_weights.call(config.generator.dtype)
-        packed = [p for p in out.values() if p is not None][0]
+        # reference: torch's full state dict, not our packing path
+        out = await controller.trainer.full_weights.call(config.generator.dtype)
         return dict(
             transport=controller.weight_sync.transport,
-            trainer=unpack_weights(packed),
-            version=packed.version,
+            trainer=[w for w in out.values() if w is not None][0],
             generators=[await g.weights.call_one() for g in controller.generators],
             versions=[await g.policy_version.call_one() for g in controller.generators],
         )
@@ -326,7 +391,7 @@ def test_generators_hold_the_trainer_weights_bit_for_bit_after_a_cuda_ipc_sync(
     )
     r = asyncio.run(_ipc_scenario(config))
     assert r["transport"] is WeightTransport.CUDA_IPC
-    assert r["version"] == 2 and r["versions"] == [2] * replicas
+    assert r["versions"] == [2] * replicas  # two syncs: start, end of warm start
     for weights in r["generators"]:
         assert sorted(weights) == sorted(r["trainer"])
         for name, t in r["trainer"].items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from torchtitan_rl.losses.corrections import CorrectionConfig
@@ -84,6 +85,15 @@ class TrainerActor(Actor):
             gather_into(state, None)
             return None
         return pack_weights(state, self.core.policy_version, DTYPES[dtype])
+
+    @endpoint
+    async def full_weights(self, dtype: str) -> dict[str, torch.Tensor] | None:
+        """Rank 0: the full weights from torch's full state dict, cast to `dtype`: a
+        reference independent of the packing path (tests, debugging). A collective."""
+        state = self.core.full_state_dict()
+        if self.rank != 0:
+            return None
+        return {k: v.to(DTYPES[dtype]) for k, v in state.items()}
 
     @endpoint
     async def cuda_uuid(self) -> str | None:
