@@ -2,6 +2,7 @@
 
     python -m scripts.bench_generate [--out DIR]   # H200: Qwen3-0.6B shape, bf16, 256 x (512 + 512)
     python -m scripts.bench_generate --smoke       # tiny model on CPU, seconds
+    python -m scripts.bench_generate --cpu-default # the default CPU run's generation, below
 
 Both generators run the same random weights (torchtitan Qwen3 converted with
 `Qwen3StateDictAdapter.to_hf`), sample at temperature 1 and produce exactly `--output-len`
@@ -12,6 +13,13 @@ The bound: every decode step reads all weights once and each sequence's keys/val
 (at the average context, prompt + output / 2); bytes over the measured device-to-device
 copy bandwidth (bytes read + written) give the fastest possible step.
 Writes `bench_generate.json` to `--out` (default: $OUT, else the current directory).
+
+`--cpu-default` mimics one RL step of `train_configs/alphabet_sort_tiny.toml`: the tiny
+model (fp32, one torch thread, as the generator process gets on a 2-core machine), 16
+AlphabetSort prompts x 4 samples, 48 tokens each (no stop tokens, so every step has the same
+work), temperature 0.6, prefix cache on, a weight pull before every round. It prints the
+median round's output tok/s and ms per engine step, and a digest of the sampled tokens and
+log-probs (equal digests: identical results).
 
 Measured 2026-11-21, one NVIDIA H200, torch 2.11.0+cu130, `python -m scripts.bench_generate`
 (Qwen3-0.6B shape, random weights, bf16, 256 requests x (512 prompt + 512 output)):
@@ -56,6 +64,10 @@ SMOKE_ARGS = dict(
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny CPU run")
+    p.add_argument(
+        "--cpu-default", action="store_true", help="the default CPU run's generation step"
+    )
+    p.add_argument("--rounds", type=int, default=7, help="--cpu-default: timed rounds")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=512)
@@ -284,8 +296,86 @@ def bandwidth_bound(model, model_args, args, bandwidth: float, elem_bytes: int) 
     }
 
 
+def cpu_default_prompts(num_prompts: int) -> list[np.ndarray]:
+    """The first training prompts of the default config (seed 0), rendered for the model."""
+    from torchtitan_rl.envs.alphabet_sort import AlphabetSort, AlphabetSortConfig
+    from torchtitan_rl.envs.base import EnvConfig
+    from torchtitan_rl.models.renderer import Renderer
+    from torchtitan_rl.models.tokenizer import Tokenizer
+
+    env = AlphabetSort(EnvConfig(max_turns=1), 0, AlphabetSortConfig(sort_by="random"))
+    renderer = Renderer(Tokenizer.from_file(None))
+
+    async def render(i: int) -> np.ndarray:
+        return renderer.render_prompt(await env.make_env(env.train_sample(i)).init())
+
+    return [asyncio.run(render(i)) for i in range(num_prompts)]
+
+
+def run_cpu_default(args) -> None:
+    """Engine rounds shaped like one generation phase of the default CPU run (module doc)."""
+    import hashlib
+
+    from torchtitan_rl.models.qwen3 import ModelConfig, build_model
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    prompts = cpu_default_prompts(16)
+    model = build_model(ModelConfig(flavor="tiny", max_seq_len=512), 896, torch.device("cpu"))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    engine = Engine(model, EngineConfig(max_num_seqs=128, max_seq_len=512), "cpu")
+    steps = [0]
+    forward = engine.runner.forward
+
+    def counted(batch):
+        steps[0] += 1
+        return forward(batch)
+
+    engine.runner.forward = counted
+
+    async def one_round(version: int):
+        engine.load_weights(state, version)
+        sampling = [
+            SamplingParams(temperature=0.6, max_tokens=48, seed=1000 * version + i)
+            for i in range(4 * len(prompts))
+        ]
+        return await asyncio.gather(
+            *(
+                engine.generate(prompts[i // 4], request_id=str(i), sampling=s)
+                for i, s in enumerate(sampling)
+            )
+        )
+
+    async def main():
+        rounds, digest = [], hashlib.sha256()
+        for version in range(args.rounds + 1):  # round 0 warms up
+            steps[0] = 0
+            t0 = time.perf_counter()
+            outs = await one_round(version)
+            wall = time.perf_counter() - t0
+            for c in outs:
+                digest.update(c.token_ids_N.tobytes() + c.logprobs_N.tobytes())
+            tokens = sum(c.num_tokens for c in outs)
+            rounds.append((wall, tokens, steps[0]))
+        await engine.close()
+        return rounds[1:], digest.hexdigest()[:16]
+
+    rounds, digest = asyncio.run(main())
+    wall, tokens, num_steps = sorted(rounds)[len(rounds) // 2]
+    print(
+        f"cpu-default ({platform.machine()}, torch {torch.__version__}, 1 thread): "
+        f"median of {len(rounds)} rounds: {wall * 1e3:.0f} ms/round, "
+        f"{tokens / wall:,.0f} output tok/s, {wall / num_steps * 1e3:.2f} ms/engine step "
+        f"({num_steps} steps, {tokens} tokens); all rounds: "
+        f"{', '.join(f'{r[0] * 1e3:.0f}' for r in rounds)} ms; digest {digest}"
+    )
+
+
 def main() -> None:
     args = parse_args()
+    if args.cpu_default:
+        run_cpu_default(args)
+        return
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype_name = "bfloat16" if device.type == "cuda" else "float32"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
