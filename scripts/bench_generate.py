@@ -19,22 +19,28 @@ model (fp32, one torch thread, as the generator process gets on a 2-core machine
 AlphabetSort prompts x 4 samples, 48 tokens each (no stop tokens, so every step has the same
 work), temperature 0.6, prefix cache on, a weight pull before every round. It prints the
 median round's output tok/s and ms per engine step, and a digest of the sampled tokens and
-log-probs (equal digests: identical results).
+log-probs (equal digests: identical results). Measured 2026-11-21 on a 2-core x86_64 VM
+(torch 2.13.0+cpu; its speed drifts by up to 30% between runs, so old and new engines ran
+alternately, 8 runs x 9 rounds each): median round 947 ms before the host-overhead pass
+(packed prefill, rope/mask hoisting, block gathers, leaner sampling), 716 ms after (best
+744 -> 559 ms), i.e. ~3,250 -> ~4,300 output tok/s, with the same digest.
 
-Measured 2026-11-21, one NVIDIA H200, torch 2.11.0+cu130, `python -m scripts.bench_generate`
-(Qwen3-0.6B shape, random weights, bf16, 256 requests x (512 prompt + 512 output)):
+Measured 2026-11-21, one NVIDIA H200, torch 2.11.0+cu130, `python -m scripts.bench_generate
+--skip-hf` (Qwen3-0.6B shape, random weights, bf16, 256 requests x (512 prompt + 512 output));
+HF generate from an earlier run of the same script (before the host-overhead pass: gather
+4,342, triton 16,947):
 
 | implementation                               | output tok/s |
 |----------------------------------------------|--------------|
-| native engine, decode attention gather       |        4,342 |
-| native engine, decode attention triton       |       16,947 |
+| native engine, decode attention gather       |        4,575 |
+| native engine, decode attention triton       |       18,659 |
 | HF transformers generate (512 new)           |        3,703 |
-| memory-bandwidth bound                       |       44,786 |
+| memory-bandwidth bound                       |       45,219 |
 
-One captured decode step at batch 256 (graph replay): gather 18.3 / 32.2 / 45.9 / 59.5 ms,
-triton 5.3 / 7.2 / 9.0 / 10.9 ms at 256 / 512 / 768 / 1024 cached positions. With triton,
-6.4 of the 7.7 s pass in sampling (which includes waiting for each step's logits), 1.0 s
-in launching forwards and 0.13 s in scheduling.
+One captured decode step at batch 256 (graph replay): gather 17.7 / 31.2 / 44.7 / 58.0 ms,
+triton 4.9 / 6.8 / 8.6 / 10.5 ms at 256 / 512 / 768 / 1024 cached positions. With triton,
+5.2 of the 7.0 s pass in sampling (which includes waiting for each step's logits), 1.6 s
+in launching forwards and 0.07 s in scheduling.
 """
 
 from __future__ import annotations
@@ -355,19 +361,34 @@ def run_cpu_default(args) -> None:
             wall = time.perf_counter() - t0
             for c in outs:
                 digest.update(c.token_ids_N.tobytes() + c.logprobs_N.tobytes())
-            tokens = sum(c.num_tokens for c in outs)
-            rounds.append((wall, tokens, steps[0]))
+            rounds.append((wall, sum(c.num_tokens for c in outs), steps[0]))
         await engine.close()
         return rounds[1:], digest.hexdigest()[:16]
 
     rounds, digest = asyncio.run(main())
-    wall, tokens, num_steps = sorted(rounds)[len(rounds) // 2]
+    walls = sorted(r[0] for r in rounds)
+    _, tokens, num_steps = rounds[0]
+    result = {
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "rounds": len(rounds),
+        "output_tokens_per_round": tokens,
+        "engine_steps_per_round": num_steps,
+        "median_round_ms": 1e3 * walls[len(walls) // 2],
+        "best_round_ms": 1e3 * walls[0],
+        "median_tok_per_s": tokens / walls[len(walls) // 2],
+        "median_ms_per_engine_step": 1e3 * walls[len(walls) // 2] / num_steps,
+        "digest": digest,
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_generate_cpu_default.json").write_text(json.dumps(result, indent=2))
     print(
-        f"cpu-default ({platform.machine()}, torch {torch.__version__}, 1 thread): "
-        f"median of {len(rounds)} rounds: {wall * 1e3:.0f} ms/round, "
-        f"{tokens / wall:,.0f} output tok/s, {wall / num_steps * 1e3:.2f} ms/engine step "
-        f"({num_steps} steps, {tokens} tokens); all rounds: "
-        f"{', '.join(f'{r[0] * 1e3:.0f}' for r in rounds)} ms; digest {digest}"
+        f"cpu-default ({result['machine']}, torch {result['torch']}, 1 thread), "
+        f"{len(rounds)} rounds of {tokens} tokens in {num_steps} engine steps: "
+        f"median {result['median_round_ms']:.0f} ms/round (best {result['best_round_ms']:.0f}), "
+        f"{result['median_tok_per_s']:,.0f} output tok/s, "
+        f"{result['median_ms_per_engine_step']:.2f} ms/engine step; digest {digest}"
     )
 
 

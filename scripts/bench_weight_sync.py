@@ -22,9 +22,9 @@ Measured 2026-11-21, one NVIDIA H200, torch 2.11.0+cu130, `python scripts/bench_
 
 | transport                                      |   sync ms | trainer side ms |   cold ms |
 |------------------------------------------------|-----------|-----------------|-----------|
-| ours: CUDA IPC handle, device-to-device copy   |      12.3 |             6.4 |      45.9 |
-| packed CPU buffer through the controller       |    5296.6 |          1225.4 |    5238.7 |
-| floor: one copy at 4,150 GB/s (read + write)   |      0.57 |                 |           |
+| ours: CUDA IPC handle, device-to-device copy   |      10.8 |             6.5 |      58.8 |
+| packed CPU buffer through the controller       |    5253.2 |          1635.9 |    5187.0 |
+| floor: one copy at 4,195 GB/s (read + write)   |      0.57 |                 |           |
 """
 
 from __future__ import annotations

@@ -106,6 +106,31 @@ class EngineConfig:
         return self.num_blocks or self.max_num_seqs * -(-self.max_seq_len // self.block_size)
 
 
+@dataclass(kw_only=True, slots=True)
+class RowParams:
+    """Sampling settings of each row of a step, as the sampler takes them; kept while the
+    running batch stays the same (most steps), so they are not rebuilt every step."""
+
+    requests: list[Request]
+    temperature_N: torch.Tensor
+    top_p_N: torch.Tensor
+    top_k_N: torch.Tensor
+    generators: list[torch.Generator]
+    return_support: bool
+
+    @classmethod
+    def of(cls, requests: list[Request], device: torch.device) -> RowParams:
+        params = [r.sampling for r in requests]
+        return cls(
+            requests=requests,
+            temperature_N=torch.tensor([p.temperature for p in params], device=device),
+            top_p_N=torch.tensor([p.top_p for p in params], device=device),
+            top_k_N=torch.tensor([p.top_k for p in params], device=device),
+            generators=[r.generator for r in requests],
+            return_support=any(p.return_support for p in params),
+        )
+
+
 class ActionKind(StrEnum):
     ADMIT = "admit"
     STEP = "step"
@@ -165,6 +190,7 @@ class Engine:
         )
         self._sched = Scheduler(blocks, max_num_seqs=config.max_num_seqs)
         self._pending_weights: list[tuple[dict[str, torch.Tensor], int]] = []
+        self._rows: RowParams | None = None
         self._version = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -324,15 +350,16 @@ class Engine:
 
     def _sample(self, requests: list[Request], logits_NV: torch.Tensor) -> None:
         """Samples the next token of each request, then resolves those that finished."""
-        device = logits_NV.device
-        params = [r.sampling for r in requests]
+        if self._rows is None or self._rows.requests != requests:  # compares by identity
+            self._rows = RowParams.of(requests, logits_NV.device)
+        rows = self._rows
         out = sample_tokens(
             logits_NV,
-            temperature_N=torch.tensor([p.temperature for p in params], device=device),
-            top_p_N=torch.tensor([p.top_p for p in params], device=device),
-            top_k_N=torch.tensor([p.top_k for p in params], device=device),
-            generators=[r.generator for r in requests],
-            return_support=any(p.return_support for p in params),
+            temperature_N=rows.temperature_N,
+            top_p_N=rows.top_p_N,
+            top_k_N=rows.top_k_N,
+            generators=rows.generators,
+            return_support=rows.return_support,
         )
         now = time.perf_counter()
         token_ids, logprobs = out.token_ids_N.tolist(), out.logprobs_N.tolist()

@@ -53,21 +53,18 @@ class PagedKVCache:
         self.k_L[layer].index_copy_(1, slot_M, k_MHD.transpose(0, 1).to(self.dtype))
         self.v_L[layer].index_copy_(1, slot_M, v_MHD.transpose(0, 1).to(self.dtype))
 
-    def rows(self, table_BN: torch.Tensor) -> torch.Tensor:
-        """Flat cache rows of every position each table covers, `[B, S]` (S = N * bs)."""
-        bs = self.block_size
-        offsets = torch.arange(bs, device=table_BN.device)
-        return (table_BN[:, :, None] * bs + offsets).flatten(1)
-
-    def gather(self, layer: int, rows_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values at the given flat rows, `[H, B, S, D]` each.
+    def gather(self, layer: int, table_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every position each table covers, `[H, B, S, D]` each
+        (S = N * block_size), copied a whole block at a time (one index per block, not
+        per row: faster on CPU).
 
         Rows past a sequence's own length hold stale data (or another sequence's: padded
         table entries point anywhere); the caller masks them by position.
         """
-        B, S = rows_BS.shape
+        B, N = table_BN.shape
         H, _, D = self.k_L[layer].shape
-        flat = rows_BS.reshape(-1)
-        k_HBSD = self.k_L[layer].index_select(1, flat).view(H, B, S, D)
-        v_HBSD = self.v_L[layer].index_select(1, flat).view(H, B, S, D)
+        flat = table_BN.reshape(-1)
+        blocks = (H, self.num_blocks, self.block_size * D)
+        k_HBSD = self.k_L[layer].view(blocks).index_select(1, flat).view(H, B, -1, D)
+        v_HBSD = self.v_L[layer].view(blocks).index_select(1, flat).view(H, B, -1, D)
         return k_HBSD, v_HBSD

@@ -1,32 +1,35 @@
 """Runs torchtitan's Qwen3 against a paged KV cache: one forward over many sequences.
 
 torchtitan's model has no KV cache, so this module reuses the model's own submodules and
-weights (embeddings, norms, projections, q/k norms, feed-forward, rotary table and
-`apply_rotary_emb`) and only replaces the attention call: each query attends to the cached
-keys of its own sequence, gathered through its block table. Same weights, same math as the
-training forward, so generator and trainer log-probs agree.
+weights (embeddings, norms, projections, q/k norms, feed-forward, rotary table and the
+rotation of `apply_rotary_emb`, with cos/sin looked up once per forward instead of once per
+layer) and only replaces the attention call: each query attends to the cached keys of its
+own sequence, gathered through its block table. Same weights, same math as the training
+forward, so generator and trainer log-probs agree.
 
 Two paths over the same cache:
-- padded (any number of new tokens per sequence: prefill, recompute): SDPA with a mask;
+- padded (any number of new tokens per sequence: prefill, recompute): projections and
+  feed-forward over the packed new tokens (no padding rows), SDPA with a mask over a
+  padded `[B, T]` layout;
 - decode (one new token per sequence): static shapes and no host syncs, so it can be
   captured in a CUDA graph per batch bucket (`cuda_graphs.py`).
 Under tensor parallelism (`tp.py`) the runner shards the model and adds an all-reduce
 after the attention output and feed-forward projections.
 
 Shape legend: B = sequences in this forward, T = new tokens per sequence (padded),
-N = blocks per block table, S = gathered cache positions (N * block_size), E = model dim,
-Hq / Hkv = query / key-value heads (G = Hq / Hkv), D = head dim, V = vocab.
+M = new tokens of all sequences (packed), N = blocks per block table, S = gathered cache
+positions (N * block_size), E = model dim, Hq / Hkv = query / key-value heads
+(G = Hq / Hkv), X = Hkv * B, D = head dim, V = vocab.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torchtitan.models.qwen3 import Qwen3Model
-from torchtitan.models.qwen3.model.model import apply_rotary_emb, precompute_rope_cache
+from torchtitan.models.qwen3.model.model import precompute_rope_cache
 
 from torchtitan_rl.generation.kv_cache import PagedKVCache
 from torchtitan_rl.generation.paged_attention import paged_decode_attention
@@ -76,6 +79,7 @@ class ModelRunner:
         if tp is not None:
             tp.shard_model(model)
         self.model = model.to(device=self.device, dtype=dtype)
+        self.dtype = dtype
         self.max_seq_len = max_seq_len
         self.vocab_size = args.vocab_size
         self.block_size = block_size
@@ -90,6 +94,8 @@ class ModelRunner:
         if decode_attention == "auto":
             decode_attention = "triton" if self.device.type == "cuda" else "gather"
         self.decode_attention = decode_attention
+        self.query_group = args.n_heads // (args.n_kv_heads or args.n_heads)
+        """G: query heads per key/value head (the same on every TP rank)."""
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._rope_cache = precompute_rope_cache(args.head_dim, max_seq_len, args.rope_theta).to(
             self.device
@@ -168,15 +174,14 @@ class ModelRunner:
     def decode_inputs(self, batch: list[SeqInput], num_rows: int, num_blocks: int):
         """Host-built decode tensors padded to `num_rows` rows and `num_blocks` table
         columns; padding rows write into the scratch block."""
-        tokens_B = np.zeros(num_rows, dtype=np.int64)
-        pos_B = np.zeros(num_rows, dtype=np.int64)
-        table_BN = np.full((num_rows, num_blocks), self.scratch_block, dtype=np.int64)
-        for row, seq in enumerate(batch):
-            tokens_B[row] = seq.token_ids[0]
-            pos_B[row] = seq.start
-            table = seq.block_table[:num_blocks]
-            table_BN[row, : len(table)] = table
-        return torch.from_numpy(tokens_B), torch.from_numpy(pos_B), torch.from_numpy(table_BN)
+        pad, scratch = num_rows - len(batch), self.scratch_block
+        tokens_B = torch.tensor([s.token_ids[0] for s in batch] + [0] * pad)
+        pos_B = torch.tensor([s.start for s in batch] + [0] * pad)
+        fill = [scratch] * num_blocks
+        table_BN = torch.tensor(
+            [(s.block_table[:num_blocks] + fill)[:num_blocks] for s in batch] + [fill] * pad
+        )
+        return tokens_B, pos_B, table_BN
 
     def _decode(self, batch: list[SeqInput]) -> torch.Tensor:
         num_blocks = max(s.start // self.block_size + 1 for s in batch)
@@ -193,24 +198,26 @@ class ModelRunner:
         """One token per row, static shapes, no host syncs: CUDA-graph capturable."""
         cache = self.kv_cache
         slot_B = cache.slots(table_BN, pos_B[:, None]).squeeze(1)
+        rope = self._rope(pos_B)
         gather = self.decode_attention == "gather"
         if gather:
-            rows_BS = cache.rows(table_BN)
-            key_pos_S = torch.arange(rows_BS.shape[1], device=self.device)
-            mask_BS = key_pos_S[None, :] <= pos_B[:, None]
+            key_pos_S = torch.arange(table_BN.shape[1] * self.block_size, device=self.device)
+            # Keys after each row's position, masked in every layer: built once per step,
+            # in the scores' own shape (a broadcast mask is slower to apply).
+            Hkv = cache.k_L[0].shape[0]
+            hidden_XGS = (key_pos_S[None, :] > pos_B[:, None]).repeat(Hkv, 1)[:, None, :]
+            hidden_XGS = hidden_XGS.expand(-1, self.query_group, -1).contiguous()
         h_BE = self.model.tok_embeddings(tokens_B)
         for layer_idx, layer in enumerate(self.model.layers.values()):
             attn = layer.attention
-            q_BTHD, k_BTHD, v_BTHD = self._qkv(
-                attn, layer.attention_norm(h_BE[:, None]), pos_B[:, None]
-            )
-            cache.write(layer_idx, slot_B, k_BTHD[:, 0], v_BTHD[:, 0])
+            q_BHD, k_BHD, v_BHD = self._qkv(attn, layer.attention_norm(h_BE), *rope)
+            cache.write(layer_idx, slot_B, k_BHD, v_BHD)
             if gather:
-                k_HBSD, v_HBSD = cache.gather(layer_idx, rows_BS)
-                out_BHqD = _decode_attention(q_BTHD[:, 0], k_HBSD, v_HBSD, mask_BS, attn.scaling)
+                k_HBSD, v_HBSD = cache.gather(layer_idx, table_BN)
+                out_BHqD = _decode_attention(q_BHD, k_HBSD, v_HBSD, hidden_XGS, attn.scaling)
             else:
                 out_BHqD = paged_decode_attention(
-                    q_BTHD[:, 0],
+                    q_BHD,
                     cache.k_L[layer_idx],
                     cache.v_L[layer_idx],
                     table_BN,
@@ -227,53 +234,69 @@ class ModelRunner:
         lens = [len(s.token_ids) for s in batch]
         B, T = len(batch), max(lens)
         N = max(-(-(s.start + n) // self.block_size) for s, n in zip(batch, lens))
-        tokens_BT = torch.zeros(B, T, dtype=torch.long)
-        table_BN = torch.zeros(B, N, dtype=torch.long)
-        for row, seq in enumerate(batch):
-            tokens_BT[row, : lens[row]] = torch.tensor(seq.token_ids)
-            table_BN[row, : min(N, len(seq.block_table))] = torch.tensor(seq.block_table[:N])
-        tokens_BT, table_BN = tokens_BT.to(device), table_BN.to(device)
+        tokens_M = torch.tensor([t for s in batch for t in s.token_ids], device=device)
+        table_BN = torch.tensor([(s.block_table[:N] + [0] * N)[:N] for s in batch], device=device)
         start_B = torch.tensor([s.start for s in batch], device=device)
         len_B = torch.tensor(lens, device=device)
         t_T = torch.arange(T, device=device)
         valid_BT = t_T[None, :] < len_B[:, None]
-        # Padding tokens reuse the row's first position: in range for the rotary table,
-        # never written to the cache, and their outputs are dropped.
+        # Padding slots take the row's first position, so every query row of the padded
+        # attention sees at least one key; their outputs are dropped.
         pos_BT = torch.where(valid_BT, start_B[:, None] + t_T[None, :], start_B[:, None])
+        pos_M = pos_BT[valid_BT]
         slot_M = cache.slots(table_BN, pos_BT)[valid_BT]
-        rows_BS = cache.rows(table_BN)
-        key_pos_S = torch.arange(rows_BS.shape[1], device=device)
+        key_pos_S = torch.arange(N * self.block_size, device=device)
         mask_B1TS = (key_pos_S[None, None, :] <= pos_BT[:, :, None])[:, None]
-        h_BTE = self.model.tok_embeddings(tokens_BT)
+        rope = self._rope(pos_M)
+        h_ME = self.model.tok_embeddings(tokens_M)
         for layer_idx, layer in enumerate(self.model.layers.values()):
             attn = layer.attention
-            q_BTHD, k_BTHD, v_BTHD = self._qkv(attn, layer.attention_norm(h_BTE), pos_BT)
-            cache.write(layer_idx, slot_M, k_BTHD[valid_BT], v_BTHD[valid_BT])
-            k_HBSD, v_HBSD = cache.gather(layer_idx, rows_BS)
-            group = q_BTHD.shape[2] // k_HBSD.shape[0]
+            q_MHD, k_MHD, v_MHD = self._qkv(attn, layer.attention_norm(h_ME), *rope)
+            cache.write(layer_idx, slot_M, k_MHD, v_MHD)
+            k_HBSD, v_HBSD = cache.gather(layer_idx, table_BN)
+            group = q_MHD.shape[1] // k_HBSD.shape[0]
+            q_BTHD = q_MHD.new_zeros(B, T, *q_MHD.shape[1:])
+            q_BTHD[valid_BT] = q_MHD
             out_BHTD = F.scaled_dot_product_attention(
                 q_BTHD.transpose(1, 2),
-                k_HBSD.transpose(0, 1).repeat_interleave(group, dim=1).to(q_BTHD.dtype),
-                v_HBSD.transpose(0, 1).repeat_interleave(group, dim=1).to(q_BTHD.dtype),
+                k_HBSD.transpose(0, 1).repeat_interleave(group, dim=1).to(q_MHD.dtype),
+                v_HBSD.transpose(0, 1).repeat_interleave(group, dim=1).to(q_MHD.dtype),
                 attn_mask=mask_B1TS,
                 scale=attn.scaling,
             )
-            h_BTE = h_BTE + self._reduce(attn.wo(out_BHTD.transpose(1, 2).flatten(2)))
-            h_BTE = h_BTE + self._reduce(self._ffn(layer, h_BTE))
-        h_BE = h_BTE[torch.arange(B, device=device), len_B - 1]
+            out_ME = out_BHTD.transpose(1, 2)[valid_BT].flatten(1)
+            h_ME = h_ME + self._reduce(attn.wo(out_ME))
+            h_ME = h_ME + self._reduce(self._ffn(layer, h_ME))
+        h_BE = h_ME[len_B.cumsum(0) - 1]
         return self.model.output(self.model.norm(h_BE)).float()
 
-    def _qkv(self, attn: torch.nn.Module, x_BTE: torch.Tensor, pos_BT: torch.Tensor):
-        B, T, _ = x_BTE.shape
-        q_BTHD = attn.wq(x_BTE).view(B, T, -1, attn.head_dim)
-        k_BTHD = attn.wk(x_BTE).view(B, T, -1, attn.head_dim)
-        v_BTHD = attn.wv(x_BTE).view(B, T, -1, attn.head_dim)
+    def _rope(self, pos_M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, and sin with its first half negated, at each position: `[M, 1, D]` in the
+        model's dtype (as `apply_rotary_emb` casts them); looked up once per forward and
+        shared by all layers."""
+        rope_M1X = self._rope_cache[pos_M][:, None, :]
+        D = rope_M1X.shape[-1] // 2
+        cos_M1D = rope_M1X[..., :D].to(self.dtype)
+        sin_M1D = rope_M1X[..., D:].to(self.dtype)
+        signed_sin_M1D = torch.cat([-sin_M1D[..., : D // 2], sin_M1D[..., D // 2 :]], dim=-1)
+        return cos_M1D, signed_sin_M1D
+
+    def _qkv(self, attn: torch.nn.Module, x_ME: torch.Tensor, cos_M1D, signed_sin_M1D):
+        """Rotated queries and keys, and values, of each row: `[M, H, D]` each."""
+        M, D = x_ME.shape[0], attn.head_dim
+        q_MHD = attn.wq(x_ME).view(M, -1, D)
+        k_MHD = attn.wk(x_ME).view(M, -1, D)
+        v_MHD = attn.wv(x_ME).view(M, -1, D)
         if attn.q_norm is not None:
-            q_BTHD = attn.q_norm(q_BTHD)
+            q_MHD = attn.q_norm(q_MHD)
         if attn.k_norm is not None:
-            k_BTHD = attn.k_norm(k_BTHD)
-        q_BTHD, k_BTHD = apply_rotary_emb(q_BTHD, k_BTHD, self._rope_cache, pos_BT)
-        return q_BTHD, k_BTHD, v_BTHD
+            k_MHD = attn.k_norm(k_MHD)
+        # apply_rotary_emb's `x * cos + rotate_half(x) * sin`, bit for bit: rotate_half(x)
+        # = cat(-x2, x1), and (-a) * b == a * (-b) exactly, so one roll replaces the
+        # slices, negation and concatenation in every layer.
+        q_MHD = q_MHD * cos_M1D + q_MHD.roll(D // 2, dims=-1) * signed_sin_M1D
+        k_MHD = k_MHD * cos_M1D + k_MHD.roll(D // 2, dims=-1) * signed_sin_M1D
+        return q_MHD, k_MHD, v_MHD
 
     def _ffn(self, layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
         ffn = layer.moe if layer.moe_enabled else layer.feed_forward
@@ -289,10 +312,11 @@ def _decode_attention(
     q_BHqD: torch.Tensor,
     k_HBSD: torch.Tensor,
     v_HBSD: torch.Tensor,
-    mask_BS: torch.Tensor,
+    hidden_XGS: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """One query per sequence over its gathered keys; query head h uses key head h // G.
+    `hidden_XGS` (X = Hkv * B, head-major) is True at keys a query must not see.
 
     Keys stay in the cache's head-major layout, so both matmuls read them without a copy;
     scores and softmax run in fp32.
@@ -304,7 +328,7 @@ def _decode_attention(
     k_XSD = k_HBSD.reshape(Hkv * B, S, D).to(q_BHqD.dtype)
     v_XSD = v_HBSD.reshape(Hkv * B, S, D).to(q_BHqD.dtype)
     scores_XGS = torch.bmm(q_XGD, k_XSD.transpose(1, 2)).float() * scale
-    mask_XGS = mask_BS.repeat(Hkv, 1)[:, None, :]
-    probs_XGS = torch.softmax(scores_XGS.masked_fill(~mask_XGS, float("-inf")), dim=-1)
+    # where() selects exactly what masked_fill would, and is faster on CPU
+    probs_XGS = torch.softmax(torch.where(hidden_XGS, float("-inf"), scores_XGS), dim=-1)
     out_XGD = torch.bmm(probs_XGS.to(v_XSD.dtype), v_XSD)
     return out_XGD.view(Hkv, B, G, D).transpose(0, 1).reshape(B, Hq, D)

@@ -45,11 +45,28 @@ def support_mask(
     top_k_N: torch.Tensor,
 ) -> torch.Tensor:
     """True where a token is kept by top-k then top-p; greedy rows keep every token."""
+    keep_NV = _filtered_support(
+        logits_NV, temperature_N=temperature_N, top_p_N=top_p_N, top_k_N=top_k_N
+    )
+    if keep_NV is None:
+        return torch.ones(logits_NV.shape, dtype=torch.bool, device=logits_NV.device)
+    return keep_NV
+
+
+def _filtered_support(
+    logits_NV: torch.Tensor,
+    *,
+    temperature_N: torch.Tensor,
+    top_p_N: torch.Tensor,
+    top_k_N: torch.Tensor,
+) -> torch.Tensor | None:
+    """`support_mask`, or None when no row filters (the usual RL setting: the caller can
+    skip a full-vocabulary mask that keeps everything)."""
     N, V = logits_NV.shape
     filtered_N = (temperature_N > 0) & ((top_k_N > 0) | (top_p_N < 1))
-    keep_NV = torch.ones(N, V, dtype=torch.bool, device=logits_NV.device)
     if not bool(filtered_N.any()):
-        return keep_NV
+        return None
+    keep_NV = torch.ones(N, V, dtype=torch.bool, device=logits_NV.device)
     rows = filtered_N.nonzero().squeeze(1)
     scaled_RV = logits_NV[rows] / temperature_N[rows, None]
     # Stable descending sort puts the lower id first among equal logits.
@@ -77,10 +94,30 @@ def sampling_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the distribution each row samples from (-inf off the support), and the
     support mask: `(logprobs_NV, keep_NV)`."""
-    keep_NV = support_mask(logits_NV, temperature_N=temperature_N, top_p_N=top_p_N, top_k_N=top_k_N)
+    logprobs_NV, keep_NV = _sampling_logprobs(
+        logits_NV, temperature_N=temperature_N, top_p_N=top_p_N, top_k_N=top_k_N
+    )
+    if keep_NV is None:
+        keep_NV = torch.ones(logits_NV.shape, dtype=torch.bool, device=logits_NV.device)
+    return logprobs_NV, keep_NV
+
+
+def _sampling_logprobs(
+    logits_NV: torch.Tensor,
+    *,
+    temperature_N: torch.Tensor,
+    top_p_N: torch.Tensor,
+    top_k_N: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sampling_logprobs` with a None mask when every row keeps the full vocabulary."""
+    keep_NV = _filtered_support(
+        logits_NV, temperature_N=temperature_N, top_p_N=top_p_N, top_k_N=top_k_N
+    )
     # Greedy rows score at temperature 1.
     temp_N = torch.where(temperature_N > 0, temperature_N, torch.ones_like(temperature_N))
-    scaled_NV = (logits_NV.float() / temp_N[:, None]).masked_fill(~keep_NV, float("-inf"))
+    scaled_NV = logits_NV.float() / temp_N[:, None]
+    if keep_NV is not None:
+        scaled_NV = scaled_NV.masked_fill(~keep_NV, float("-inf"))
     return torch.log_softmax(scaled_NV, dim=-1), keep_NV
 
 
@@ -104,21 +141,34 @@ def sample_tokens(
             f"need one temperature, top_p, top_k and generator per row ({N} rows), got "
             f"{temperature_N.numel()}, {top_p_N.numel()}, {top_k_N.numel()}, {len(generators)}"
         )
-    logprobs_NV, keep_NV = sampling_logprobs(
+    logprobs_NV, keep_NV = _sampling_logprobs(
         logits_NV, temperature_N=temperature_N, top_p_N=top_p_N, top_k_N=top_k_N
     )
-    token_ids_N = logits_NV.argmax(dim=-1)
+    device = logits_NV.device
     sampled = [i for i, greedy in enumerate((temperature_N <= 0).tolist()) if not greedy]
     if sampled:
-        rows = torch.tensor(sampled, device=logits_NV.device)
-        uniform_R = torch.stack(
-            [torch.rand((), generator=generators[i], dtype=torch.float64) for i in sampled]
-        ).to(logits_NV.device)
-        token_ids_N[rows] = _inverse_cdf(logprobs_NV[rows], uniform_R)
+        # One 0-d scratch tensor refilled per row: the same draw as `torch.rand((),
+        # generator=g, dtype=torch.float64)`, at a fraction of the per-call overhead.
+        draw = torch.empty((), dtype=torch.float64)
+        uniform_R = torch.tensor(
+            [draw.uniform_(generator=generators[i]).item() for i in sampled],
+            dtype=torch.float64,
+        ).to(device)
+    if len(sampled) == N:  # no greedy row: skip the argmax and the row selection
+        token_ids_N = _inverse_cdf(logprobs_NV, uniform_R)
+    else:
+        token_ids_N = logits_NV.argmax(dim=-1)
+        if sampled:
+            rows = torch.tensor(sampled, device=device)
+            token_ids_N[rows] = _inverse_cdf(logprobs_NV[rows], uniform_R)
     logprobs_N = logprobs_NV.gather(1, token_ids_N[:, None]).squeeze(1)
     support = None
     if return_support:
-        support = [row.nonzero().squeeze(1).to(torch.int32) for row in keep_NV]
+        if keep_NV is None:
+            keep_NV = torch.ones(N, V, dtype=torch.bool, device=device)
+        # One nonzero over the batch, split per row (ids come out ascending within a row).
+        ids_M = keep_NV.nonzero()[:, 1].to(torch.int32)
+        support = list(ids_M.split(keep_NV.sum(dim=1).tolist()))
     return SampleResult(token_ids_N=token_ids_N, logprobs_N=logprobs_N, support=support)
 
 
@@ -126,9 +176,10 @@ def _inverse_cdf(logprobs_RV: torch.Tensor, uniform_R: torch.Tensor) -> torch.Te
     """The first token whose cumulative probability exceeds the uniform draw, per row."""
     probs_RV = logprobs_RV.double().exp()
     cdf_RV = torch.cumsum(probs_RV, dim=-1)
-    target_R1 = (uniform_R * cdf_RV[:, -1])[:, None]
-    ids_R = torch.searchsorted(cdf_RV, target_R1, right=True).squeeze(1)
-    # Rounding can push the draw past the last kept token; clamp to it.
-    V = probs_RV.shape[1]
-    last_kept_R = V - 1 - (probs_RV > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+    total_R1 = cdf_RV[:, -1:].contiguous()
+    ids_R = torch.searchsorted(cdf_RV, uniform_R[:, None] * total_R1, right=True).squeeze(1)
+    # A found id's cdf rose there, so it is kept; only a draw rounded up to the total runs
+    # past the end (id V). Clamp that to where the cdf reaches its total: the last kept
+    # token (one searchsorted instead of a scan of the [R, V] mask).
+    last_kept_R = torch.searchsorted(cdf_RV, total_R1, right=False).squeeze(1)
     return torch.minimum(ids_R, last_kept_R)

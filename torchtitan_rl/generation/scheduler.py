@@ -66,6 +66,8 @@ class Request:
         return self.tokens[self.num_computed :]
 
     def saw_version(self, version: int) -> None:
+        if version == self.version_max and self.version_min is not None:
+            return  # the common case, once per token: nothing changes
         self.version_min = version if self.version_min is None else min(self.version_min, version)
         self.version_max = version if self.version_max is None else max(self.version_max, version)
 
@@ -113,11 +115,13 @@ class Scheduler:
     def prepare_step(self) -> list[SeqInput]:
         """Reserves blocks for every running request's pending tokens (preempting from
         the most recently admitted when short) and returns the forward's inputs."""
-        i = 0
+        i, bs = 0, self.blocks.block_size
         while i < len(self.running):
             request = self.running[i]
-            if self.blocks.grow(
-                request.block_table, len(request.prompt_ids) + len(request.token_ids)
+            num_tokens = len(request.prompt_ids) + len(request.token_ids)
+            # Most steps a request's last block still has room: skip the block manager.
+            if len(request.block_table) * bs >= num_tokens or self.blocks.grow(
+                request.block_table, num_tokens
             ):
                 i += 1
                 continue
