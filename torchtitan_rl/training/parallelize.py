@@ -4,6 +4,8 @@ and GPU (NCCL)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -43,13 +45,15 @@ def apply_fsdp(model: PolicyModel, device: torch.device, param_dtype: torch.dtyp
     embedding, final norm and head share the root group and each block is its own group.
     The same grouping serves a single rank, which torchtitan would leave unwrapped (and so
     without the mixed-precision policy).
+    On CPU the gathered weights outlive the forward (see `held_gathered`).
     """
     world = dist.get_world_size()
+    reshard = device.type != "cpu"
     if model.model_args.enable_weight_tying or world == 1:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
-        _shard_blocks_and_root(model, mesh, param_dtype)
+        _shard_blocks_and_root(model, mesh, param_dtype, reshard)
     else:
-        _torchtitan_parallelize(model, device, world, param_dtype)
+        _torchtitan_parallelize(model, device, world, param_dtype, reshard)
     _sum_gradients(model, device)
 
 
@@ -66,7 +70,7 @@ def apply_tp_fsdp(
         raise ValueError(f"parallelism.tp={tp} must divide trainer_procs={world}")
     mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
     apply_tp(model, mesh["tp"])
-    _shard_blocks_and_root(model, mesh["dp"], param_dtype)
+    _shard_blocks_and_root(model, mesh["dp"], param_dtype, device.type != "cpu")
     _sum_gradients(model, device)
     return mesh
 
@@ -132,11 +136,38 @@ def apply_compile(model: PolicyModel, backend: str = "inductor") -> None:
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
 
 
-def _shard_blocks_and_root(model: PolicyModel, mesh: DeviceMesh, param_dtype) -> None:
-    """One FSDP group per block, the embedding, final norm and head in the root group."""
+@contextmanager
+def held_gathered(model: PolicyModel) -> Iterator[None]:
+    """CPU FSDP: each group's weights are all-gathered once, at its first forward inside the
+    block, held through every microbatch's forward and backward, and freed on exit.
+
+    Each gloo all-gather costs milliseconds and makes the ranks wait for each other; with
+    `apply_fsdp` leaving blocks gathered after forward on CPU, a step of M microbatches
+    makes one all-gather per group instead of 2 * M. The weights
+    do not change inside the block and gradients are still reduce-scattered after every
+    backward, so the numbers are the same. The weights are freed on exit, before the
+    optimizer changes the shards, so the next gather sees the update. Elsewhere (GPU, or
+    no FSDP) a no-op: there holding a large model's weights would defeat sharding.
+    """
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    held = bool(groups) and next(model.parameters()).device.type == "cpu"
+    if held:
+        model.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        if held:
+            for module in groups:
+                module.reshard()
+            model.set_reshard_after_backward(True)
+
+
+def _shard_blocks_and_root(model: PolicyModel, mesh: DeviceMesh, param_dtype, reshard) -> None:
+    """One FSDP group per block, the embedding, final norm and head in the root group;
+    `reshard`: free each block's gathered weights after its forward (False on CPU)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
@@ -149,7 +180,7 @@ def _sum_gradients(model: PolicyModel, device: torch.device) -> None:
                 module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 
 
-def _torchtitan_parallelize(model, device, world, param_dtype) -> None:
+def _torchtitan_parallelize(model, device, world, param_dtype, reshard) -> None:
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import parallel_dims as parallel_dims_module
@@ -167,5 +198,6 @@ def _torchtitan_parallelize(model, device, world, param_dtype) -> None:
     job.training.mixed_precision_param = "bfloat16" if param_dtype == torch.bfloat16 else "float32"
     job.training.mixed_precision_reduce = "float32"
     job.activation_checkpoint.mode = "none"
+    job.parallelism.fsdp_reshard_after_forward = "default" if reshard else "never"
     job.compile.enable = False
     parallelize_qwen3(model, dims, job)

@@ -21,7 +21,12 @@ from torch.distributed.tensor import DTensor
 from torchtitan_rl.losses.corrections import CorrectionConfig, correction_weights
 from torchtitan_rl.losses.policy_loss import LossConfig, policy_loss
 from torchtitan_rl.models.qwen3 import ModelConfig, PolicyModel, build_model
-from torchtitan_rl.training.parallelize import apply_compile, apply_fsdp, apply_tp_fsdp
+from torchtitan_rl.training.parallelize import (
+    apply_compile,
+    apply_fsdp,
+    apply_tp_fsdp,
+    held_gathered,
+)
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
 from torchtitan_rl.types import Microbatch
 
@@ -73,12 +78,16 @@ class TrainerCore:
         self.skipped_steps = 0
 
     def _adamw(self, lr: float) -> torch.optim.Optimizer:
-        # One fused kernel over all parameters on GPU; CPU keeps the default implementation.
+        # One fused kernel over all parameters on GPU. On CPU the foreach implementation
+        # (same arithmetic, bit for bit) dispatches each op once per parameter list, not once
+        # per parameter, and the default picks the per-parameter loop there.
+        cuda = self.device.type == "cuda"
         return torch.optim.AdamW(
             self.model.parameters(),
             lr=lr,
             weight_decay=self.training.weight_decay,
-            fused=self.device.type == "cuda",
+            fused=cuda,
+            foreach=not cuda,
         )
 
     # ---- forward ----------------------------------------------------------------------
@@ -123,51 +132,52 @@ class TrainerCore:
         sums: dict[str, float] = {}
         diff_max = torch.zeros((), device=self.device)
         total_loss = torch.zeros((), device=self.device)
-        for mb in microbatches:
-            t = self._tensors(mb)
-            logprobs_N, entropy_N = self._logprobs(t, temperature)
-            weights_N, corr_metrics = None, {}
-            if self.correction.level != "none" or self.correction.opsm_delta > 0:
-                weights_N, corr_metrics = correction_weights(
-                    logprobs_N.detach(),
+        with held_gathered(self.model):  # one all-gather per step on CPU
+            for mb in microbatches:
+                t = self._tensors(mb)
+                logprobs_N, entropy_N = self._logprobs(t, temperature)
+                weights_N, corr_metrics = None, {}
+                if self.correction.level != "none" or self.correction.opsm_delta > 0:
+                    weights_N, corr_metrics = correction_weights(
+                        logprobs_N.detach(),
+                        t["generator_logprobs_N"],
+                        t["advantages_N"],
+                        t["sequence_ids_N"],
+                        config=self.correction,
+                        num_sequences=mb.num_global_sequences,
+                    )
+                loss, metrics = policy_loss(
+                    logprobs_N,
                     t["generator_logprobs_N"],
                     t["advantages_N"],
                     t["sequence_ids_N"],
-                    config=self.correction,
-                    num_sequences=mb.num_global_sequences,
+                    config=self.loss_config,
+                    num_global_tokens=mb.num_global_loss_tokens,
+                    num_global_sequences=mb.num_global_sequences,
+                    entropy_N=entropy_N,
+                    correction_weights_N=weights_N,
                 )
-            loss, metrics = policy_loss(
-                logprobs_N,
-                t["generator_logprobs_N"],
-                t["advantages_N"],
-                t["sequence_ids_N"],
-                config=self.loss_config,
-                num_global_tokens=mb.num_global_loss_tokens,
-                num_global_sequences=mb.num_global_sequences,
-                entropy_N=entropy_N,
-                correction_weights_N=weights_N,
-            )
-            loss.backward()
-            total_loss += loss.detach()
-            n = float(t["targets_N"].numel())
-            for k, v in {**metrics, **corr_metrics}.items():
-                if k.endswith(("_min", "_max", "num_tokens")):
-                    continue
-                sums[k] = sums.get(k, 0.0) + float(v) * n
-            sums["_tokens"] = sums.get("_tokens", 0.0) + n
-            if mb.support_offsets is not None:  # sampling-mask replay: ids kept per token
-                kept = float(np.diff(mb.support_offsets.astype(np.int64)).sum())
-                sums["trainer/kept_vocab_per_token"] = (
-                    sums.get("trainer/kept_vocab_per_token", 0.0) + kept
-                )
-            finite = torch.isfinite(t["generator_logprobs_N"])
-            if finite.any():
-                gap = (logprobs_N.detach() - t["generator_logprobs_N"]).abs()[finite]
-                diff_max = torch.maximum(diff_max, gap.max())
-                sums["trainer/logprob_diff/mean"] = sums.get(
-                    "trainer/logprob_diff/mean", 0.0
-                ) + float(gap.sum())
-                sums["_finite"] = sums.get("_finite", 0.0) + float(finite.sum())
+                loss.backward()
+                total_loss += loss.detach()
+                n = float(t["targets_N"].numel())
+                for k, v in {**metrics, **corr_metrics}.items():
+                    if k.endswith(("_min", "_max", "num_tokens")):
+                        continue
+                    sums[k] = sums.get(k, 0.0) + float(v) * n
+                sums["_tokens"] = sums.get("_tokens", 0.0) + n
+                if mb.support_offsets is not None:  # sampling-mask replay: ids kept per token
+                    kept = float(np.diff(mb.support_offsets.astype(np.int64)).sum())
+                    sums["trainer/kept_vocab_per_token"] = (
+                        sums.get("trainer/kept_vocab_per_token", 0.0) + kept
+                    )
+                finite = torch.isfinite(t["generator_logprobs_N"])
+                if finite.any():
+                    gap = (logprobs_N.detach() - t["generator_logprobs_N"]).abs()[finite]
+                    diff_max = torch.maximum(diff_max, gap.max())
+                    sums["trainer/logprob_diff/mean"] = sums.get(
+                        "trainer/logprob_diff/mean", 0.0
+                    ) + float(gap.sum())
+                    sums["_finite"] = sums.get("_finite", 0.0) + float(finite.sum())
         out = self._reduce(sums, total_loss, diff_max)
         out.update(self._optimizer_step(self.optimizer, out["loss/mean"]))
         self.scheduler.step()
@@ -178,12 +188,13 @@ class TrainerCore:
         """One supervised step: mean negative log-likelihood of the loss-mask tokens."""
         self.model.train()
         total = torch.zeros((), device=self.device)
-        for mb in microbatches:
-            t = self._tensors(mb)
-            logprobs_N, _ = self._logprobs(t, 1.0)
-            loss = -logprobs_N.sum() / max(mb.num_global_loss_tokens, 1)
-            loss.backward()
-            total += loss.detach()
+        with held_gathered(self.model):  # one all-gather per step on CPU
+            for mb in microbatches:
+                t = self._tensors(mb)
+                logprobs_N, _ = self._logprobs(t, 1.0)
+                loss = -logprobs_N.sum() / max(mb.num_global_loss_tokens, 1)
+                loss.backward()
+                total += loss.detach()
         if self.distributed:
             dist.all_reduce(total, group=self.dp_group)
         out = {"warm_start/loss": float(total)}
@@ -276,7 +287,8 @@ class TrainerCore:
     def logprobs(self, mb: Microbatch, temperature: float = 1.0) -> np.ndarray:
         """Trainer log-probs of mb's loss tokens (row-major), for checks and diagnostics."""
         self.model.eval()
-        logprobs_N, _ = self._logprobs(self._tensors(mb), temperature)
+        with held_gathered(self.model):
+            logprobs_N, _ = self._logprobs(self._tensors(mb), temperature)
         return logprobs_N.float().cpu().numpy()
 
     def warm_start_optimizer(self, config: WarmStartConfig) -> torch.optim.Optimizer:
