@@ -235,3 +235,23 @@ def free_ports(n: int) -> int:
         except OSError:
             continue
     raise RuntimeError("no free ports")
+
+
+def run_two_ranks(worker: Callable, *args, ports: int = 1, timeout: float = 600) -> dict:
+    """Runs `worker(rank, first_port, *args, queue)` in two spawned processes; returns
+    {rank: what it put on the queue}, failing with the traceback a rank put there instead
+    (a worker catches its exception and puts `traceback.format_exc()`)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_ports(ports)
+    procs = [ctx.Process(target=worker, args=(r, port, *args, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=timeout) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for rank, r in results.items():
+        assert not isinstance(r, str), f"rank {rank}:\n{r}"
+    return results

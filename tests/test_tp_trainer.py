@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from fakes import free_ports
+from fakes import run_two_ranks
 
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
@@ -114,18 +113,7 @@ def _worker(rank, port, device_type, cases, queue):
 
 
 def _run(device_type, cases):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_ports(len(cases))
-    procs = [ctx.Process(target=_worker, args=(r, port, device_type, cases, queue)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for rank, r in results.items():
-        assert not isinstance(r, str), f"rank {rank}:\n{r}"
-    return results
+    return run_two_ranks(_worker, device_type, cases, ports=len(cases))
 
 
 def _compare(results, key):

@@ -45,10 +45,9 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def _core(monkeypatch, tied: bool) -> TrainerCore:
-    """The tiny policy (tied like Qwen3 0.6B when `tied`), with weights that bf16 rounds."""
-    args = {**qwen3.TINY_ARGS, "enable_weight_tying": tied}
-    monkeypatch.setitem(qwen3.BUILTIN_ARGS, "tiny", args)
+def _tiny_core(tp: int = 1) -> TrainerCore:
+    """The tiny policy on CPU (tied if `qwen3.BUILTIN_ARGS["tiny"]` says so), with weights
+    that bf16 rounds."""
     return TrainerCore(
         model_config=ModelConfig(max_seq_len=64),
         training=TrainingConfig(),
@@ -57,7 +56,15 @@ def _core(monkeypatch, tied: bool) -> TrainerCore:
         vocab_size=VOCAB,
         device=torch.device("cpu"),
         seed=0,
+        tp=tp,
     )
+
+
+def _core(monkeypatch, tied: bool) -> TrainerCore:
+    """The tiny policy, tied like Qwen3 0.6B when `tied`."""
+    args = {**qwen3.TINY_ARGS, "enable_weight_tying": tied}
+    monkeypatch.setitem(qwen3.BUILTIN_ARGS, "tiny", args)
+    return _tiny_core()
 
 
 def _loop_packing(state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -200,16 +207,7 @@ def _two_rank_worker(rank, port, queue):
             dist.init_process_group(
                 "gloo", init_method=f"tcp://127.0.0.1:{port + i}", rank=rank, world_size=2
             )
-            core = TrainerCore(
-                model_config=ModelConfig(max_seq_len=64),
-                training=TrainingConfig(),
-                loss=LossConfig(),
-                correction=CorrectionConfig(),
-                vocab_size=VOCAB,
-                device=torch.device("cpu"),
-                seed=0,
-                tp=tp,
-            )
+            core = _tiny_core(tp)
             state = sharded_state(core.model)
             if rank == 0:
                 packed = pack_weights(state, 0, torch.bfloat16)
@@ -235,20 +233,9 @@ def _two_rank_worker(rank, port, queue):
 def test_two_ranks_pack_the_full_weights_once_under_fsdp_and_tp():
     """Two gloo ranks, tied tiny model: what rank 0 packs from the shards equals torch's full
     state dict cast to bf16, bit for bit, with the tied weight stored once."""
-    import torch.multiprocessing as mp
-    from fakes import free_ports
+    from fakes import run_two_ranks
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_ports(2)
-    procs = [ctx.Process(target=_two_rank_worker, args=(r, port, queue)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for rank, r in results.items():
-        assert not isinstance(r, str), f"rank {rank}:\n{r}"
+    results = run_two_ranks(_two_rank_worker, ports=2, timeout=300)
     assert sorted(results[0]) == [1, 2]
     for tp, r in results[0].items():
         assert r["numel"] == r["distinct"], tp

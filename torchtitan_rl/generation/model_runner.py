@@ -254,13 +254,12 @@ class ModelRunner:
             q_MHD, k_MHD, v_MHD = self._qkv(attn, layer.attention_norm(h_ME), *rope)
             cache.write(layer_idx, slot_M, k_MHD, v_MHD)
             k_HBSD, v_HBSD = cache.gather(layer_idx, table_BN)
-            group = q_MHD.shape[1] // k_HBSD.shape[0]
             q_BTHD = q_MHD.new_zeros(B, T, *q_MHD.shape[1:])
             q_BTHD[valid_BT] = q_MHD
             out_BHTD = F.scaled_dot_product_attention(
                 q_BTHD.transpose(1, 2),
-                k_HBSD.transpose(0, 1).repeat_interleave(group, dim=1).to(q_MHD.dtype),
-                v_HBSD.transpose(0, 1).repeat_interleave(group, dim=1).to(q_MHD.dtype),
+                k_HBSD.transpose(0, 1).repeat_interleave(self.query_group, dim=1).to(q_MHD.dtype),
+                v_HBSD.transpose(0, 1).repeat_interleave(self.query_group, dim=1).to(q_MHD.dtype),
                 attn_mask=mask_B1TS,
                 scale=attn.scaling,
             )

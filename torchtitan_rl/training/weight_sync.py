@@ -95,7 +95,7 @@ def pack_weights(
     holds shards of a multi-rank mesh (see `gather_into`): the other ranks call
     `gather_into(state, None)` meanwhile."""
     layout, numel = make_layout(state)
-    # Pageable memory, exact size, filled tensor by tensor: no second model on the GPU and
+    # Pageable memory, exact size, filled straight from the weights: no second model on the GPU and
     # no pinned block that torch's host allocator would round up and keep for the run. From
     # a GPU this copy is slower (0.6B bf16 on an H200: ~0.6 s), but this path is the
     # fallback there: same-host syncs go through `SharedBuffer`.
