@@ -52,17 +52,17 @@ def _batch(seed):
 def test_restored_trainer_continues_exactly(tmp_path):
     straight = _core()
     for step in range(4):
-        out_straight = straight.train_step(_batch(step), temperature=1.0)
+        out_straight = straight.train_step([_batch(step)], temperature=1.0)
 
     first = _core()
     for step in range(2):
-        first.train_step(_batch(step), temperature=1.0)
+        first.train_step([_batch(step)], temperature=1.0)
     save_trainer_state(first, tmp_path / "trainer")
     resumed = _core(seed=1)  # different init: everything must come from the checkpoint
     assert load_trainer_state(resumed, tmp_path / "trainer") == 2
     assert resumed.scheduler.last_epoch == first.scheduler.last_epoch
     for step in range(2, 4):
-        out_resumed = resumed.train_step(_batch(step), temperature=1.0)
+        out_resumed = resumed.train_step([_batch(step)], temperature=1.0)
 
     assert out_resumed == out_straight  # loss, grad norm, lr (warmup position), version
     a, b = straight.full_state_dict(), resumed.full_state_dict()

@@ -70,7 +70,7 @@ def _step(device, flavor, dtype, compile, tp, batch):
         tp=tp,
     )
     before = np.concatenate([core.logprobs(mb) for mb in batch])
-    out = core.train_step(batch, temperature=1.0)
+    out = core.train_step([batch], temperature=1.0)
     after = np.concatenate([core.logprobs(mb) for mb in batch])
     return {
         "loss": out["loss/mean"],

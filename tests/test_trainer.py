@@ -62,7 +62,7 @@ def _weights(core):
 def test_rl_step_changes_weights_and_advances_version():
     core = _core()
     before = _weights(core)
-    out = core.train_step(_batch(_episodes(np.random.default_rng(0))), temperature=1.0)
+    out = core.train_step([_batch(_episodes(np.random.default_rng(0)))], temperature=1.0)
     after = _weights(core)
     assert core.policy_version == 1 and out["trainer/policy_version"] == 1
     assert any(not torch.equal(before[k], after[k]) for k in before)
@@ -75,7 +75,7 @@ def test_nan_generator_logprobs_leave_step_finite():
     episodes = _episodes(np.random.default_rng(1))
     episodes[0].logprobs_L[episodes[0].loss_mask_L.nonzero()[0][0]] = np.nan
     episodes[1].logprobs_L[episodes[1].loss_mask_L.nonzero()[0][0]] = -np.inf
-    out = core.train_step(_batch(episodes), temperature=1.0)
+    out = core.train_step([_batch(episodes)], temperature=1.0)
     assert np.isfinite(out["loss/mean"]) and np.isfinite(out["trainer/grad_norm"])
     assert out["trainer/skipped_steps"] == 0
     assert all(torch.isfinite(v).all() for v in _weights(core).values())
@@ -86,7 +86,7 @@ def test_non_finite_gradient_skips_the_step_and_keeps_weights():
     before = _weights(core)
     # an infinite advantage makes the loss and gradient non-finite
     episodes = _episodes(np.random.default_rng(2), advantage=float("inf"))
-    out = core.train_step(_batch(episodes), temperature=1.0)
+    out = core.train_step([_batch(episodes)], temperature=1.0)
     assert out["trainer/skipped_steps"] == 1 and core.policy_version == 0
     after = _weights(core)
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -111,7 +111,7 @@ def test_trainer_logprobs_match_the_generator_logprobs_it_is_given():
     mb = batch[0]
     flat = mb.logprobs_RS.reshape(-1)
     flat[np.flatnonzero(mb.loss_mask_RS.reshape(-1))] = own
-    out = core.train_step([mb], temperature=1.0)
+    out = core.train_step([[mb]], temperature=1.0)
     assert out["trainer/logprob_diff/max"] < 1e-5
 
 
@@ -175,9 +175,9 @@ def test_compiled_training_matches_eager_in_bf16_on_gpu(monkeypatch):
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
         try:
             core = _core("cuda", dtype="bfloat16", compile=compiled)
-            steps = [core.train_step(batches[0], temperature=1.0)]
+            steps = [core.train_step([batches[0]], temperature=1.0)]
             with torch._dynamo.config.patch(error_on_recompile=compiled):
-                steps.append(core.train_step(batches[1], temperature=1.0))
+                steps.append(core.train_step([batches[1]], temperature=1.0))
             results[compiled] = [(s["loss/mean"], s["trainer/grad_norm"]) for s in steps]
         finally:
             dist.destroy_process_group()

@@ -24,7 +24,7 @@ from torchtitan_rl.envs import ENVS
 from torchtitan_rl.envs.alphabet_sort import AlphabetSortConfig
 from torchtitan_rl.envs.base import EnvConfig
 from torchtitan_rl.generation.engine import EngineConfig
-from torchtitan_rl.losses.corrections import CorrectionConfig
+from torchtitan_rl.losses.corrections import CorrectionConfig, check_objective
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.rollout.advantages import AdvantageConfig
@@ -69,6 +69,10 @@ class Config:
                     raise ConfigError(
                         msg if "." in msg.split(" ")[0] else f"{f.name}: {msg}"
                     ) from e
+        try:
+            check_objective(self.loss, self.correction)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:

@@ -24,13 +24,14 @@ from torchtitan_rl.envs import build_environment
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.renderer import Renderer
 from torchtitan_rl.models.tokenizer import Tokenizer
+from torchtitan_rl.reductions import merge, results
 from torchtitan_rl.rollout.advantages import compute_advantages
 from torchtitan_rl.rollout.batcher import pack_batch
 from torchtitan_rl.rollout.episodes import rollout_to_episodes
 from torchtitan_rl.rollout.records import write_step_records
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.router import Router
-from torchtitan_rl.step_metrics import merge_step_metrics, rollout_metrics, validation_metrics
+from torchtitan_rl.step_metrics import rollout_metrics, validation_metrics
 from torchtitan_rl.summary import SUMMARY_TAGS
 from torchtitan_rl.supervision import SupervisionError, Supervisor
 from torchtitan_rl.types import Episode, RolloutGroup, SamplingParams
@@ -288,19 +289,21 @@ class Controller:
         return metrics
 
     async def _train(self, groups: list[RolloutGroup], step: int) -> dict[str, float]:
-        """One optimizer step per minibatch of whole groups (`training.minibatches`)."""
+        """One RL step on the trainer: an optimizer step per minibatch of whole groups
+        (`training.minibatches`), in one call (pi_old is recomputed before the first)."""
         n = self.config.training.minibatches
-        outs, packed = [], []
+        updates, packed = [], []
         for chunk in (groups[i::n] for i in range(n)):
             batches, batch_metrics = self._pack(self._episodes(chunk))
             packed.append(batch_metrics)
-            if not any(mb.num_global_loss_tokens for mb in batches[0]):
-                continue
-            out = await self.trainer.train_step.call(batches, self.config.rollout.temperature)
-            outs.append(next(iter(out.values())))
-        if not outs:
+            if any(mb.num_global_loss_tokens for mb in batches[0]):
+                updates.append(batches)
+        metrics = results(merge(packed))
+        if not updates:
             logger.warning("step %d: nothing to train on (no group had reward spread)", step)
-        return {**merge_step_metrics(packed), **merge_step_metrics(outs)}
+            return metrics
+        out = await self.trainer.train_step.call(updates, self.config.rollout.temperature)
+        return {**metrics, **next(iter(out.values()))}
 
     def _episodes(self, groups: list[RolloutGroup]) -> list[Episode]:
         episodes = []

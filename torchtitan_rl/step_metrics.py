@@ -60,24 +60,3 @@ def validation_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         if counts.get(status):
             out[f"validation/status/{status.value}"] = counts[status] / len(rollouts)
     return out
-
-
-LAST_VALUE = ("trainer/policy_version", "trainer/skipped_steps", "trainer/lr")
-"""Counters that the last of several minibatch updates reports for the whole step."""
-
-
-def merge_step_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Combine the metrics of a step's minibatch updates (or batches): counts add up,
-    maxima take the max, counters keep the last value, everything else is averaged."""
-    merged: dict[str, float] = {}
-    for key in {k for part in parts for k in part}:
-        values = [part[key] for part in parts if key in part]
-        if key in LAST_VALUE:
-            merged[key] = values[-1]
-        elif key.endswith("/max"):
-            merged[key] = max(values)
-        elif key.startswith("batcher/num_") or key == "trainer/loss_tokens":
-            merged[key] = sum(values)
-        else:
-            merged[key] = sum(values) / len(values)
-    return merged

@@ -61,8 +61,12 @@ class TrainerActor(Actor):
         """Rank 0's GPU buffer for same-host weight syncs, made by the first `share_weights`."""
 
     @endpoint
-    async def train_step(self, batches: list[list[Microbatch]], temperature: float) -> dict:
-        return self.core.train_step(batches[self.core.dp_rank], temperature)
+    async def train_step(
+        self, updates: list[list[list[Microbatch]]], temperature: float
+    ) -> dict[str, float]:
+        """One RL step; `updates[u][rank]` holds a data-parallel rank's microbatches of
+        minibatch u (one optimizer step each)."""
+        return self.core.train_step([u[self.core.dp_rank] for u in updates], temperature)
 
     @endpoint
     async def sft_step(self, batches: list[list[Microbatch]], warm_start: WarmStartConfig) -> dict:
@@ -73,6 +77,7 @@ class TrainerActor(Actor):
     @endpoint
     async def end_warm_start(self) -> None:
         self.sft_optimizer = None
+        self.core.start_rl()
 
     @endpoint
     async def publish_weights(self, dtype: str = "float32") -> PackedWeights | None:

@@ -1,14 +1,31 @@
-"""Off-policy correction weights: importance ratios of the trainer's policy to the generator's.
+"""Training-inference mismatch corrections: weights built from pi_old / mu, and OPSM.
 
-Everything runs in log space over the loss tokens, with log r_t = logp_t - generator_logp_t:
+Three policies (DESIGN.md): pi_theta is being trained, pi_old is the trainer's policy when
+the batch was made, mu is the generator that sampled. The PPO ratio pi_theta / pi_old lives
+in `policy_loss`; this module builds the mismatch weight from pi_old / mu, once. Per loss
+token t of sequence i, with log c_t = log pi_old(t) - log mu(t):
 
-    token:      log w_t = log r_t
-    sequence:   log w_t = sum over t' in seq(t) of log r_t'      (product of ratios)
-    geometric:  log w_t = mean over t' in seq(t) of log r_t'     (length-invariant)
+    token:      log w_t = log c_t
+    sequence:   log w_t = sum over t' in i of log c_t'      (product of ratios)
+    geometric:  log w_t = mean over t' in i of log c_t'     (length-invariant, TRL PR 4891)
 
-then `truncate` clamps w to [ratio_min, ratio_max] (TIS) or `mask` zeroes it outside (MIS).
-OPSM additionally drops a whole sequence whose mean advantage is negative while the policy
-has drifted from the generator: mean log r < -opsm_delta. Weights come out detached.
+then `truncate` clamps w to [ratio_min, ratio_max] (TIS) and `mask` zeroes it outside
+(MIS; inside the band it keeps w, or 1 with keep_weight = false: pure rejection).
+
+OPSM (DeepSeek's off-policy sequence masking, in TRL's form) drops sequence i when its
+mean advantage is negative and mean over t in i of (log mu(t) - log pi_theta(t)) > opsm_delta,
+pi_theta detached: the drift it measures is mismatch plus staleness,
+(log mu - log pi_old) + (log pi_old - log pi_theta).
+
+Where pi_old comes from (`loss.old_logprobs`):
+- "recompute": the trainer computes pi_old with one no-grad forward before the first
+  update, so w is a real mismatch weight and multiplies the PPO surrogate.
+- "generator": pi_old is taken to be mu, so c_t = pi_theta / mu (pi_theta detached) and the
+  PPO ratio already carries the importance weight. A weight-carrying correction (truncate,
+  or mask with keep_weight) then switches the surrogate to REINFORCE with the detached
+  truncated/masked ratio (verl's bypass mode, `policy_loss(bypass=True)`), so the ratio is
+  applied once; pure rejection (mask, keep_weight = false) keeps the PPO surrogate.
+`check_objective` rejects the combinations that have no sound meaning.
 
 Shape suffixes: N = loss tokens of this microbatch, S = sequences of the whole step.
 """
@@ -16,13 +33,13 @@ Shape suffixes: N = loss tokens of this microbatch, S = sequences of the whole s
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from torchtitan_rl.losses.policy_loss import LOG_RATIO_CLAMP
+from torchtitan_rl.losses.policy_loss import LOG_RATIO_CLAMP, LossConfig
+from torchtitan_rl.reductions import Metric
 
 LEVELS = ("none", "token", "sequence", "geometric")
 ACTIONS = ("truncate", "mask")
@@ -43,7 +60,8 @@ class CorrectionConfig:
     keep_weight: bool = True
     """mask only: inside the band use the weight (True) or 1 (False, pure rejection)."""
     opsm_delta: float = 0.0
-    """OPSM: 0 disables; else drop sequences with mean advantage < 0 and mean log r < -delta."""
+    """OPSM: 0 disables; else drop sequences with mean advantage < 0 and mean
+    log(mu / pi_theta) > delta."""
 
     def validate(self) -> None:
         if self.level not in LEVELS:
@@ -63,32 +81,74 @@ class CorrectionConfig:
         if not self.opsm_delta >= 0:
             raise ValueError(f"correction.opsm_delta must be >= 0, got {self.opsm_delta}")
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the trainer builds weights at all (a level, or OPSM)."""
+        return self.level != "none" or self.opsm_delta > 0
+
+    @property
+    def carries_weight(self) -> bool:
+        """Whether the correction multiplies by an importance weight, not only drops tokens."""
+        return self.level != "none" and (self.action == "truncate" or self.keep_weight)
+
+
+BYPASS_LOSSES = ("grpo", "dapo", "dr_grpo")
+"""Losses whose surrogate bypass mode may replace: they differ only in aggregation."""
+
+
+def uses_bypass(loss: LossConfig, correction: CorrectionConfig) -> bool:
+    """REINFORCE with the detached corrected ratio pi_theta / mu (see the module docstring)."""
+    return loss.old_logprobs == "generator" and correction.carries_weight
+
+
+def check_objective(loss: LossConfig, correction: CorrectionConfig) -> None:
+    """Cross-section rule: ValueError (one line, naming the keys) for a loss and correction
+    that would apply the importance ratio twice or have no sound meaning together."""
+    if uses_bypass(loss, correction) and loss.name not in BYPASS_LOSSES:
+        raise ValueError(
+            f"correction.level={correction.level!r} with action={correction.action!r} and "
+            f"loss.old_logprobs='generator' replaces the surrogate with REINFORCE on the "
+            f"corrected ratio pi/mu, which loss.name={loss.name!r} cannot take (it has its own "
+            f"ratio); use loss.old_logprobs='recompute', loss.name in {BYPASS_LOSSES}, or "
+            "correction.action='mask' with correction.keep_weight=false"
+        )
+
 
 @torch.no_grad()
 def correction_weights(
-    logprobs_N: Tensor,
+    old_logprobs_N: Tensor,
     generator_logprobs_N: Tensor,
+    logprobs_N: Tensor,
     advantages_N: Tensor,
     sequence_ids_N: Tensor,
     *,
     config: CorrectionConfig,
     num_sequences: int,
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> tuple[Tensor, dict[str, Metric]]:
     """Detached per-token weights for `policy_loss(correction_weights_N=...)`, and metrics.
 
-    Tokens with a non-finite log-prob get weight 0 and are left out of every sequence sum.
+    Weights come from `old_logprobs_N` (pi_old) against `generator_logprobs_N` (mu); OPSM
+    compares `logprobs_N` (pi_theta, detached here) with mu. Tokens where any of the three
+    is not finite get weight 0 and are left out of every sequence sum.
     `sequence_ids_N` runs over 0..num_sequences-1; each sequence lies within this call.
-    Example: sequence_ids_N = [0, 0, 1], log r = [0.1, -0.3, 0.2], level=sequence ->
+    Example: sequence_ids_N = [0, 0, 1], log c = [0.1, -0.3, 0.2], level=sequence ->
     log w = [-0.2, -0.2, 0.2].
     """
-    valid_N = torch.isfinite(logprobs_N) & torch.isfinite(generator_logprobs_N)
-    log_ratio_N = torch.where(valid_N, logprobs_N.detach() - generator_logprobs_N, 0.0)
+    logprobs_N = logprobs_N.detach()
+    valid_N = (
+        torch.isfinite(old_logprobs_N)
+        & torch.isfinite(generator_logprobs_N)
+        & torch.isfinite(logprobs_N)
+    )
+    log_ratio_N = torch.where(valid_N, old_logprobs_N - generator_logprobs_N, 0.0)
     sequence_ids_N = sequence_ids_N.long()
     valid_f_N = valid_N.to(log_ratio_N.dtype)
     count_S = valid_f_N.new_zeros(num_sequences).index_add(0, sequence_ids_N, valid_f_N)
-    sum_S = torch.zeros_like(count_S).index_add(0, sequence_ids_N, log_ratio_N)
-    mean_log_ratio_S = sum_S / count_S.clamp(min=1)
 
+    def sequence_sum(values_N: Tensor) -> Tensor:
+        return torch.zeros_like(count_S).index_add(0, sequence_ids_N, values_N)
+
+    sum_S = sequence_sum(log_ratio_N)
     if config.level == "none":
         log_w_N = torch.zeros_like(log_ratio_N)
     elif config.level == "token":
@@ -96,31 +156,32 @@ def correction_weights(
     elif config.level == "sequence":
         log_w_N = sum_S[sequence_ids_N]
     else:
-        log_w_N = mean_log_ratio_S[sequence_ids_N]
+        log_w_N = (sum_S / count_S.clamp(min=1))[sequence_ids_N]
     weights_N, outside_N = _apply_band(log_w_N, config)
 
-    dropped_S = torch.zeros_like(count_S, dtype=torch.bool)
+    metrics: dict[str, Metric] = {}
     if config.opsm_delta > 0:
-        adv_sum_S = torch.zeros_like(count_S).index_add(
-            0, sequence_ids_N, torch.where(valid_N, advantages_N, 0.0)
-        )
-        dropped_S = (adv_sum_S < 0) & (mean_log_ratio_S < -config.opsm_delta) & (count_S > 0)
+        drift_N = torch.where(valid_N, generator_logprobs_N - logprobs_N, 0.0)
+        mean_drift_S = sequence_sum(drift_N) / count_S.clamp(min=1)
+        adv_sum_S = sequence_sum(torch.where(valid_N, advantages_N, 0.0))
+        dropped_S = (adv_sum_S < 0) & (mean_drift_S > config.opsm_delta) & (count_S > 0)
         weights_N = torch.where(dropped_S[sequence_ids_N], 0.0, weights_N)
+        metrics["correction/opsm_dropped_frac"] = Metric.mean(
+            dropped_S.sum().to(count_S.dtype), (count_S > 0).sum().to(count_S.dtype)
+        )
     weights_N = torch.where(valid_N, weights_N, 0.0)
 
-    num_valid = valid_f_N.sum().clamp(min=1)
-    ratio_N = torch.exp(log_w_N.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    outside_frac = (outside_N & valid_N).sum() / num_valid
-    zero = torch.zeros((), dtype=ratio_N.dtype, device=ratio_N.device)
-    metrics = {
-        "correction/ratio_mean": torch.where(valid_N, ratio_N, 0.0).sum() / num_valid,
-        "correction/ratio_min": _valid_extreme(ratio_N, valid_N, torch.amin, math.inf),
-        "correction/ratio_max": _valid_extreme(ratio_N, valid_N, torch.amax, -math.inf),
-        "correction/masked_frac": outside_frac if config.action == "mask" else zero,
-        "correction/truncated_frac": outside_frac if config.action == "truncate" else zero,
-        "correction/opsm_dropped_frac": dropped_S.sum().to(count_S.dtype)
-        / (count_S > 0).sum().clamp(min=1),
-    }
+    if config.level != "none":
+        num_valid = valid_f_N.sum()
+        ratio_N = torch.exp(log_w_N.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        metrics["correction/ratio_mean"] = Metric.mean(
+            torch.where(valid_N, ratio_N, 0.0).sum(), num_valid
+        )
+        metrics["correction/ratio_min"] = Metric.min(_extreme(ratio_N, valid_N, math.inf))
+        metrics["correction/ratio_max"] = Metric.max(_extreme(ratio_N, valid_N, -math.inf))
+        outside = (outside_N & valid_N).sum().to(num_valid.dtype)
+        name = "masked_frac" if config.action == "mask" else "truncated_frac"
+        metrics[f"correction/{name}"] = Metric.mean(outside, num_valid)
     return weights_N, metrics
 
 
@@ -139,11 +200,8 @@ def _apply_band(log_w_N: Tensor, config: CorrectionConfig) -> tuple[Tensor, Tens
     return torch.where(outside_N, 0.0, inside_N), outside_N
 
 
-def _valid_extreme(
-    values_N: Tensor, valid_N: Tensor, reduce: Callable[[Tensor], Tensor], fill: float
-) -> Tensor:
-    """min/max over valid tokens without a host sync; 0 when there are none."""
-    if values_N.numel() == 0:
-        return values_N.new_zeros(())
-    extreme = reduce(torch.where(valid_N, values_N, fill))
-    return torch.where(torch.isfinite(extreme), extreme, 0.0)
+def _extreme(values_N: Tensor, valid_N: Tensor, fill: float) -> Tensor:
+    """min (fill = inf) or max (fill = -inf) over valid tokens, without a host sync; `fill`,
+    the identity of that reduction, when there are none."""
+    filled_N = torch.cat([torch.where(valid_N, values_N, fill), values_N.new_tensor([fill])])
+    return torch.amin(filled_N) if fill > 0 else torch.amax(filled_N)

@@ -1,14 +1,33 @@
 """GRPO-family policy losses over the loss tokens of one microbatch, chosen by `loss.name`.
 
-Per token t of sequence i, with r_t = exp(logp_t - generator_logp_t) and advantage A_t:
+Three policies (DESIGN.md): pi_theta is being trained, pi_old is the trainer's policy when
+the batch was made, mu is the generator that sampled. `old_logprobs_N` is pi_old: recomputed
+by the trainer (`loss.old_logprobs = "recompute"`) or mu itself ("generator"). Per token t
+of sequence i, with r_t = exp(logp_t - old_logp_t) and advantage A_t:
 
     grpo / dapo / dr_grpo:  -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)
     gspo:   the same on s_t = sg[s_i] * exp(logp_t - sg[logp_t]), s_i = exp(mean_t log r_t)
     cispo:  -sg[min(r_t, 1 + clip_high)] * A_t * logp_t
+    bypass: -A_t * logp_t  (REINFORCE; see below)
 
-plus `kl_coef * KL_t - entropy_coef * H_t`, all times the off-policy correction weight, then
-aggregated so that summing the per-microbatch losses over microbatches and data-parallel
-ranks gives the loss of the whole step.
+The policy term is multiplied by the detached correction weight w_t (`corrections.py`: built
+from pi_old / mu, 1 without a correction), then `kl_coef * KL_t - entropy_coef * H_t` is
+added (not weighted, as in TRL and verl), and everything is aggregated so that summing the
+per-microbatch losses over microbatches and data-parallel ranks gives the step's loss.
+
+Per-token gradient coefficient of the policy term, g_t = d loss_t / d logp_t (before
+aggregation), 1[.] the not-clipped indicator of the min above:
+    recompute, grpo family:   g_t = -w_t A_t r_t 1[.]   (= -w_t A_t at the first update,
+                              where r_t = 1: the mismatch weight pi_old / mu, applied once)
+    generator, no weight:     g_t = -m_t A_t r_t 1[.], r_t = pi_theta / mu, m_t in {0, 1}
+                              (mask with keep_weight = false, OPSM)
+    generator, bypass:        g_t = -w_t A_t, w_t the truncated/masked pi_theta / mu
+                              (token, sequence or geometric level), detached: verl's bypass
+                              mode; the ratio is applied once, by w
+    gspo:                     g_t = -w_t A_t s_i 1[.]
+    cispo:                    g_t = -w_t A_t sg[min(r_t, 1 + clip_high)]
+KL_t with d_t = ref_logp_t - logp_t (an estimate of KL(pi_theta || ref) from samples):
+    k1: -d_t (g = 1) | k2: d_t^2 / 2 (g = -d_t) | k3: exp(d_t) - d_t - 1 (g = 1 - exp(d_t))
 
 Shape suffixes: N = loss tokens of this microbatch, S = sequences of the whole step.
 """
@@ -21,11 +40,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from torchtitan_rl.reductions import Metric
+
 LOG_RATIO_CLAMP = 20.0
 """Bound on |log-ratio| before exp: exp(20) ~ 5e8 is finite in fp32, exp(89) is not."""
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
-KL_ESTIMATORS = ("k1", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+OLD_LOGPROBS = ("recompute", "generator")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,9 +67,17 @@ class LossConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss); 0 disables."""
     kl_coef: float = 0.0
-    """Weight of the KL penalty to the reference policy; 0 disables."""
+    """Weight of the KL penalty to a frozen reference policy; 0 disables (and keeps no
+    reference in memory)."""
     kl_estimator: str = "k3"
-    """k1: logp - ref | k3: exp(ref - logp) - (ref - logp) - 1 (non-negative, lower variance)."""
+    """k1: logp - ref | k2: (logp - ref)^2 / 2 | k3: exp(ref - logp) - (ref - logp) - 1
+    (non-negative, lower variance)."""
+    kl_reference: str = ""
+    """Hugging Face folder of the reference policy; "" uses the policy as RL starts (after the
+    warm start). Only with kl_coef > 0."""
+    old_logprobs: str = "recompute"
+    """pi_old of the PPO ratio: "recompute" (one no-grad trainer forward per step, before the
+    first update) | "generator" (the generator's log-probs mu; no extra forward)."""
 
     def validate(self) -> None:
         if self.name not in LOSSES:
@@ -77,6 +107,14 @@ class LossConfig:
             raise ValueError(
                 f"loss.entropy_coef and loss.kl_coef must be >= 0, got "
                 f"{self.entropy_coef} and {self.kl_coef}"
+            )
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(
+                f"loss.old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}"
+            )
+        if self.kl_reference and self.kl_coef == 0:
+            raise ValueError(
+                f"loss.kl_reference={self.kl_reference!r} is only used with loss.kl_coef > 0"
             )
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
@@ -149,7 +187,7 @@ LOSSES: dict[str, PolicyLoss] = {
 
 def policy_loss(
     logprobs_N: Tensor,
-    generator_logprobs_N: Tensor,
+    old_logprobs_N: Tensor,
     advantages_N: Tensor,
     sequence_ids_N: Tensor,
     *,
@@ -159,14 +197,17 @@ def policy_loss(
     entropy_N: Tensor | None = None,
     ref_logprobs_N: Tensor | None = None,
     correction_weights_N: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Loss of this microbatch's share of the step, and detached scalar metrics.
+    bypass: bool = False,
+) -> tuple[Tensor, dict[str, Metric]]:
+    """Loss of this microbatch's share of the step, and detached metrics (module docstring).
 
-    Tokens whose trainer or generator log-prob is not finite leave the loss: `num_global_tokens`
-    should count the step's loss tokens with a finite generator log-prob (the batcher knows
-    those up front); per-sequence counts are taken here, from the finite tokens. Each sequence
-    must lie within one microbatch; `sequence_ids_N` runs over 0..num_global_sequences-1.
-    `correction_weights_N` multiplies the whole per-token loss (policy, KL and entropy terms).
+    Tokens whose trainer log-prob or pi_old is not finite leave the loss (a non-finite
+    generator log-prob should reach here as a non-finite pi_old). `num_global_tokens` counts
+    the step's loss tokens with a finite pi_old (the batcher knows those up front); the
+    per-sequence counts are taken here. Each sequence lies within one microbatch;
+    `sequence_ids_N` runs over 0..num_global_sequences-1. `correction_weights_N` multiplies
+    the policy term; `bypass` (generator mode with a weight-carrying correction) makes that
+    term -A_t logp_t, the weights being the corrected ratio pi_theta / mu.
     Example: two sequences, tokens [a0 a1 a2 | b0], sequence_ids_N = [0, 0, 0, 1].
     """
     if num_global_tokens < 1 or num_global_sequences < 1:
@@ -175,26 +216,28 @@ def policy_loss(
             f"{num_global_tokens} and {num_global_sequences}"
         )
     spec = LOSSES[config.name]
-    generator_finite_N = torch.isfinite(generator_logprobs_N)
-    valid_N = generator_finite_N & torch.isfinite(logprobs_N)
+    old_finite_N = torch.isfinite(old_logprobs_N)
+    valid_N = old_finite_N & torch.isfinite(logprobs_N)
     # torch.where before any arithmetic: a NaN that is multiplied by 0 still poisons gradients.
     tokens = _sanitise(
-        logprobs_N, generator_logprobs_N, advantages_N, sequence_ids_N, valid_N,
-        num_global_sequences,
-    )  # fmt: skip
-    per_token_N, ratio_N, clipped_N = spec.surrogate(tokens, config)
-    weights_N = None
+        logprobs_N, old_logprobs_N, advantages_N, sequence_ids_N, valid_N, num_global_sequences
+    )
+    if bypass:
+        per_token_N = -tokens.advantages_N * tokens.logprobs_N
+        ratio_N, clipped_N = torch.exp(tokens.log_ratio_N.detach()), None
+    else:
+        per_token_N, ratio_N, clipped_N = spec.surrogate(tokens, config)
     if correction_weights_N is not None:
-        weights_N = _masked(correction_weights_N.detach(), valid_N)
-    policy_N = _weighted(torch.where(valid_N, per_token_N, 0.0), weights_N)
+        per_token_N = per_token_N * _masked(correction_weights_N.detach(), valid_N)
+    policy_N = _masked(per_token_N, valid_N)
     total_N = policy_N
     kl_N = None
     if ref_logprobs_N is not None:
-        kl_N = _kl(tokens, _masked(ref_logprobs_N, valid_N), config.kl_estimator)
-        total_N = total_N + config.kl_coef * _weighted(kl_N, weights_N)
+        kl_N = _kl(tokens, _masked(ref_logprobs_N.detach(), valid_N), config.kl_estimator)
+        total_N = total_N + config.kl_coef * kl_N
     if entropy_N is not None:
         entropy_N = _masked(entropy_N, valid_N)
-        total_N = total_N - config.entropy_coef * _weighted(entropy_N, weights_N)
+        total_N = total_N - config.entropy_coef * entropy_N
 
     def aggregate(values_N: Tensor) -> Tensor:
         return _aggregate(
@@ -202,63 +245,44 @@ def policy_loss(
             num_global_tokens, num_global_sequences,
         )  # fmt: skip
 
-    metrics = _metrics(
-        valid_N, generator_finite_N, ratio_N, clipped_N, entropy_N, kl_N,
-        policy=aggregate(policy_N).detach(),
-    )  # fmt: skip
-    return aggregate(total_N), metrics
-
-
-def _metrics(
-    valid_N: Tensor,
-    generator_finite_N: Tensor,
-    ratio_N: Tensor,
-    clipped_N: Tensor,
-    entropy_N: Tensor | None,
-    kl_N: Tensor | None,
-    *,
-    policy: Tensor,
-) -> dict[str, Tensor]:
-    """Detached scalars: means over this microbatch's valid tokens (0 when there are none)."""
-    num_valid = valid_N.sum().to(ratio_N.dtype)
-    denom = num_valid.clamp(min=1)
-
-    def valid_mean(values_N: Tensor | None) -> Tensor:
-        if values_N is None:
-            return ratio_N.new_zeros(())
-        return torch.where(valid_N, values_N.detach().to(ratio_N.dtype), 0.0).sum() / denom
-
-    nan_count = (~generator_finite_N).sum().to(ratio_N.dtype)
-    return {
-        "loss/policy": policy,
-        "loss/entropy": valid_mean(entropy_N),
-        "loss/kl": valid_mean(kl_N),
-        "loss/clip_frac": valid_mean(clipped_N),
-        "loss/ratio_mean": valid_mean(ratio_N),
-        "loss/generator_logprob_nan_frac": nan_count / max(generator_finite_N.numel(), 1),
-        "loss/num_tokens": num_valid,
+    loss = aggregate(total_N)
+    # This microbatch's share of the step: its shares of the loss add up to the step's loss.
+    share = old_finite_N.sum().to(ratio_N.dtype) / num_global_tokens
+    metrics = {
+        "loss/mean": Metric.mean(loss.detach(), share),
+        "loss/policy": Metric.mean(aggregate(policy_N).detach(), share),
     }
+    num_valid = valid_N.sum().to(ratio_N.dtype)
+
+    def token_mean(values_N: Tensor) -> Metric:
+        values_N = values_N.detach().to(ratio_N.dtype)
+        return Metric.mean(torch.where(valid_N, values_N, 0.0).sum(), num_valid)
+
+    metrics["loss/ratio_mean"] = token_mean(ratio_N)
+    if clipped_N is not None:
+        metrics["loss/clip_frac"] = token_mean(clipped_N)
+    if entropy_N is not None:
+        metrics["loss/entropy"] = token_mean(entropy_N)
+    if kl_N is not None:
+        metrics["loss/kl"] = token_mean(kl_N)
+    return loss, metrics
 
 
 def _masked(values_N: Tensor, valid_N: Tensor) -> Tensor:
     return torch.where(valid_N, values_N, 0.0)
 
 
-def _weighted(values_N: Tensor, weights_N: Tensor | None) -> Tensor:
-    return values_N if weights_N is None else values_N * weights_N
-
-
 def _sanitise(
     logprobs_N: Tensor,
-    generator_logprobs_N: Tensor,
+    old_logprobs_N: Tensor,
     advantages_N: Tensor,
     sequence_ids_N: Tensor,
     valid_N: Tensor,
     num_sequences: int,
 ) -> _Tokens:
     logprobs_N = _masked(logprobs_N, valid_N)
-    generator_logprobs_N = _masked(generator_logprobs_N, valid_N)
-    log_ratio_N = (logprobs_N - generator_logprobs_N).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    old_logprobs_N = _masked(old_logprobs_N.detach(), valid_N)
+    log_ratio_N = (logprobs_N - old_logprobs_N).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     sequence_ids_N = sequence_ids_N.long()
     valid_f_N = valid_N.to(logprobs_N.dtype)
     count_S = valid_f_N.new_zeros(num_sequences).index_add(0, sequence_ids_N, valid_f_N)
@@ -277,6 +301,8 @@ def _kl(tokens: _Tokens, ref_logprobs_N: Tensor, estimator: str) -> Tensor:
     log_ref_ratio_N = (ref_logprobs_N - tokens.logprobs_N).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if estimator == "k1":
         kl_N = -log_ref_ratio_N
+    elif estimator == "k2":
+        kl_N = 0.5 * log_ref_ratio_N.square()
     else:
         kl_N = torch.exp(log_ref_ratio_N) - log_ref_ratio_N - 1.0
     return torch.where(tokens.valid_N, kl_N, 0.0)

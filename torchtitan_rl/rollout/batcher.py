@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from torchtitan_rl.reductions import Metric
 from torchtitan_rl.types import Episode, Microbatch
 
 
@@ -61,7 +62,7 @@ class _Doc:
 
 def pack_batch(
     episodes: list[Episode], *, config: BatcherConfig, num_ranks: int, pad_id: int
-) -> tuple[list[list[Microbatch]], dict[str, float]]:
+) -> tuple[list[list[Microbatch]], dict[str, Metric]]:
     """Pack a step's episodes; returns (microbatches per rank, metrics).
 
     With nothing trainable, every rank gets an empty list.
@@ -94,16 +95,15 @@ def pack_batch(
 
     total_slots = num_ranks * num_microbatches * rpm * config.seq_len
     used_slots = sum(d.num_slots for d in docs)
-    pct_pad = 100.0 * (total_slots - used_slots) / total_slots if total_slots else 0.0
     metrics = {
-        "batcher/pct_pad_in_batch": pct_pad,
-        "batcher/num_dropped_oversized": float(num_oversized),
-        "batcher/num_dropped_no_loss": float(num_no_loss),
-        "batcher/num_rows": float(len(rows)),
-        "batcher/num_loss_tokens": float(num_loss_tokens),
-        "batcher/num_sequences": float(len(docs)),
-        "batcher/num_tokens": float(used_slots),
-        "batcher/num_microbatches_per_rank": float(num_microbatches),
+        "batcher/pct_pad_in_batch": Metric.mean(100.0 * (total_slots - used_slots), total_slots),
+        "batcher/num_dropped_oversized": Metric.sum(float(num_oversized)),
+        "batcher/num_dropped_no_loss": Metric.sum(float(num_no_loss)),
+        "batcher/num_rows": Metric.sum(float(len(rows))),
+        "batcher/num_loss_tokens": Metric.sum(float(num_loss_tokens)),
+        "batcher/num_sequences": Metric.sum(float(len(docs))),
+        "batcher/num_tokens": Metric.sum(float(used_slots)),
+        "batcher/num_microbatches_per_rank": Metric.sum(float(num_microbatches)),
     }
     return batches, metrics
 

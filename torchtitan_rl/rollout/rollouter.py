@@ -51,7 +51,8 @@ class RolloutConfig:
     prompts_per_step: int = 8
     """Groups (prompts) trained on per step (>= 1)."""
     temperature: float = 1.0
-    """Sampling temperature (>= 0; 0 is greedy)."""
+    """Sampling temperature of training rollouts, > 0: the loss needs the log-probs of the
+    distribution that sampled (validation decodes greedily on its own)."""
     top_p: float = 1.0
     """Nucleus mass kept, in (0, 1]; 1 disables."""
     top_k: int = 0
@@ -68,6 +69,11 @@ class RolloutConfig:
         for name in ("group_size", "prompts_per_step", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.temperature > 0:
+            raise ValueError(
+                f"rollout.temperature must be > 0 (training rollouts sample; validation is "
+                f"greedy by itself), got {self.temperature}"
+            )
         if self.max_sampling_rounds < 0:
             raise ValueError(
                 f"rollout.max_sampling_rounds must be >= 0, got {self.max_sampling_rounds}"

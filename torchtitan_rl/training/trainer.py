@@ -1,5 +1,11 @@
 """The trainer core: one FSDP rank's model, optimizer and steps. No Monarch import.
 
+One RL step (`train_step`) is one or more updates (`training.minibatches`), each an
+optimizer step over this rank's microbatches. With `loss.old_logprobs = "recompute"`, pi_old
+of every microbatch of every update is computed first, by one no-grad forward through the
+same fused head, so the PPO ratio pi_theta / pi_old starts at exactly 1 and later updates
+measure their own staleness (losses/policy_loss.py has the per-token formulas).
+
 Legend: R rows, S sequence length, N loss tokens of a microbatch.
 """
 
@@ -14,19 +20,23 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
-from torchtitan_rl.losses.corrections import CorrectionConfig, correction_weights
-from torchtitan_rl.losses.policy_loss import LossConfig, policy_loss
+from torchtitan_rl.losses.corrections import CorrectionConfig
+from torchtitan_rl.losses.objective import microbatch_objective
+from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models.qwen3 import ModelConfig, PolicyModel, build_model
+from torchtitan_rl.reductions import Metric, Metrics, merge, results
 from torchtitan_rl.training.parallelize import (
     apply_compile,
     apply_fsdp,
     apply_tp_fsdp,
     held_gathered,
 )
+from torchtitan_rl.training.reference import ReferencePolicy
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
 from torchtitan_rl.types import Microbatch
 
@@ -50,25 +60,30 @@ class TrainerCore:
     ):
         self.training, self.loss_config, self.correction = training, loss, correction
         self.device = device
-        # FSDP whenever a process group exists, one rank included: it carries the
-        # mixed-precision policy (bf16 compute, fp32 master weights and reductions).
         self.distributed = dist.is_initialized()
         torch.manual_seed(seed)  # same init on every rank and in the generator
         self.model: PolicyModel = build_model(model_config, vocab_size, device)
-        self.dp_group = None
+        if tp > 1 and not self.distributed:
+            raise ValueError(f"parallelism.tp={tp} needs a process group of tp ranks")
+        self.tp = tp
+        self.dp_group = self._shard(self.model)
         """Group the batch is split over: None = every rank; under tensor parallelism the
         `tp` ranks of one group hold the same microbatches and count them once."""
-        if self.distributed and tp > 1:
-            mesh = apply_tp_fsdp(self.model, device, DTYPES[training.dtype], tp)
-            self.dp_group = mesh["dp"].get_group()
-        elif self.distributed:
-            apply_fsdp(self.model, device, DTYPES[training.dtype])
-        elif tp > 1:
-            raise ValueError(f"parallelism.tp={tp} needs a process group of tp ranks")
         if training.compile:
             apply_compile(self.model)
         self.dp_rank = dist.get_rank() // tp if self.distributed else 0
         """Which of the batcher's per-rank microbatch lists this rank trains on."""
+        self.reference: ReferencePolicy | None = None
+        if loss.kl_coef > 0:
+            self.reference = ReferencePolicy(
+                model_config,
+                hf_folder=loss.kl_reference,
+                vocab_size=vocab_size,
+                device=device,
+                dtype=DTYPES[training.dtype],
+                shard=self._shard,
+            )
+            self.start_rl()  # the initial policy, until the warm start has run
         self.policy_version = 0
         self.optimizer = self._adamw(training.lr)
         warmup = max(training.warmup_steps, 0)
@@ -76,6 +91,23 @@ class TrainerCore:
             self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0
         )
         self.skipped_steps = 0
+
+    def _shard(self, model: PolicyModel):
+        """FSDP (and TP) over the trainer ranks; returns the data-parallel group (None: all).
+        FSDP whenever a process group exists, one rank included: it carries the
+        mixed-precision policy (bf16 compute, fp32 master weights and reductions)."""
+        if self.distributed and self.tp > 1:
+            mesh = apply_tp_fsdp(model, self.device, DTYPES[self.training.dtype], self.tp)
+            return mesh["dp"].get_group()
+        if self.distributed:
+            apply_fsdp(model, self.device, DTYPES[self.training.dtype])
+        return None
+
+    def start_rl(self) -> None:
+        """The warm start is over: the KL reference becomes the policy as RL starts (unless
+        it was loaded from loss.kl_reference)."""
+        if self.reference is not None and not self.reference.from_hf:
+            self.reference.copy_from(self.model)
 
     def _adamw(self, lr: float) -> torch.optim.Optimizer:
         # One fused kernel over all parameters on GPU. On CPU the foreach implementation
@@ -126,63 +158,76 @@ class TrainerCore:
         )
 
     # ---- steps ------------------------------------------------------------------------
-    def train_step(self, microbatches: list[Microbatch], temperature: float) -> dict[str, float]:
-        """One RL optimizer step over this rank's microbatches; returns global metrics."""
+    def train_step(self, updates: list[list[Microbatch]], temperature: float) -> dict[str, float]:
+        """One RL step: an optimizer step per entry of `updates` (this rank's microbatches
+        of each minibatch); returns the step's metrics, reduced over microbatches, ranks
+        and updates by each metric's own reduction."""
         self.model.train()
-        sums: dict[str, float] = {}
-        diff_max = torch.zeros((), device=self.device)
-        total_loss = torch.zeros((), device=self.device)
-        with held_gathered(self.model):  # one all-gather per step on CPU
-            for mb in microbatches:
-                t = self._tensors(mb)
-                logprobs_N, entropy_N = self._logprobs(t, temperature)
-                weights_N, corr_metrics = None, {}
-                if self.correction.level != "none" or self.correction.opsm_delta > 0:
-                    weights_N, corr_metrics = correction_weights(
-                        logprobs_N.detach(),
-                        t["generator_logprobs_N"],
-                        t["advantages_N"],
-                        t["sequence_ids_N"],
-                        config=self.correction,
-                        num_sequences=mb.num_global_sequences,
-                    )
-                loss, metrics = policy_loss(
-                    logprobs_N,
-                    t["generator_logprobs_N"],
-                    t["advantages_N"],
-                    t["sequence_ids_N"],
-                    config=self.loss_config,
-                    num_global_tokens=mb.num_global_loss_tokens,
-                    num_global_sequences=mb.num_global_sequences,
-                    entropy_N=entropy_N,
-                    correction_weights_N=weights_N,
-                )
-                loss.backward()
-                total_loss += loss.detach()
-                n = float(t["targets_N"].numel())
-                for k, v in {**metrics, **corr_metrics}.items():
-                    if k.endswith(("_min", "_max", "num_tokens")):
-                        continue
-                    sums[k] = sums.get(k, 0.0) + float(v) * n
-                sums["_tokens"] = sums.get("_tokens", 0.0) + n
-                if mb.support_offsets is not None:  # sampling-mask replay: ids kept per token
-                    kept = float(np.diff(mb.support_offsets.astype(np.int64)).sum())
-                    sums["trainer/kept_vocab_per_token"] = (
-                        sums.get("trainer/kept_vocab_per_token", 0.0) + kept
-                    )
-                finite = torch.isfinite(t["generator_logprobs_N"])
-                if finite.any():
-                    gap = (logprobs_N.detach() - t["generator_logprobs_N"]).abs()[finite]
-                    diff_max = torch.maximum(diff_max, gap.max())
-                    sums["trainer/logprob_diff/mean"] = sums.get(
-                        "trainer/logprob_diff/mean", 0.0
-                    ) + float(gap.sum())
-                    sums["_finite"] = sums.get("_finite", 0.0) + float(finite.sum())
-        out = self._reduce(sums, total_loss, diff_max)
-        out.update(self._optimizer_step(self.optimizer, out["loss/mean"]))
-        self.scheduler.step()
-        out["trainer/lr"] = self.scheduler.get_last_lr()[0]
-        return out
+        tensors = [[self._tensors(mb) for mb in microbatches] for microbatches in updates]
+        old = None
+        if self.loss_config.old_logprobs == "recompute":
+            old = self._old_logprobs(tensors, temperature)
+        parts = []
+        for i, microbatches in enumerate(updates):
+            old_i = old[i] if old is not None else [None] * len(microbatches)
+            parts.append(self._update(microbatches, tensors[i], old_i, temperature))
+        return results(merge(parts))
+
+    @torch.no_grad()
+    def _old_logprobs(self, tensors: list[list[dict]], temperature: float) -> list[list]:
+        """pi_old of every loss token of the step, before any update changes the weights."""
+        with held_gathered(self.model):  # one all-gather on CPU
+            return [[self._logprobs(t, temperature)[0] for t in update] for update in tensors]
+
+    def _update(self, microbatches, tensors, old, temperature: float) -> Metrics:
+        parts = []
+        with held_gathered(self.model):  # one all-gather per update on CPU
+            for mb, t, old_N in zip(microbatches, tensors, old):
+                parts.append(self._microbatch(mb, t, old_N, temperature))
+        metrics = self._all_ranks(merge(_on_host(parts)))
+        loss = metrics["loss/mean"].result() if "loss/mean" in metrics else 0.0
+        applied, opt_metrics = self._optimizer_step(self.optimizer, loss)
+        if applied:  # a skipped step leaves the learning-rate schedule where it was
+            self.scheduler.step()
+        return {
+            **metrics,
+            **opt_metrics,
+            "trainer/lr": Metric.last(self.scheduler.get_last_lr()[0]),
+        }
+
+    def _microbatch(self, mb: Microbatch, t: dict, old_N, temperature: float) -> Metrics:
+        """Forward and backward of one microbatch; its metrics (tensors, not yet synced)."""
+        logprobs_N, entropy_N = self._logprobs(t, temperature)
+        ref_N = self.reference.logprobs(t, temperature) if self.reference is not None else None
+        loss, metrics = microbatch_objective(
+            logprobs_N,
+            old_N,
+            t["generator_logprobs_N"],
+            t["advantages_N"],
+            t["sequence_ids_N"],
+            loss=self.loss_config,
+            correction=self.correction,
+            num_global_tokens=mb.num_global_loss_tokens,
+            num_global_sequences=mb.num_global_sequences,
+            entropy_N=entropy_N,
+            ref_logprobs_N=ref_N,
+        )
+        loss.backward()
+        n = float(t["targets_N"].numel())
+        metrics["trainer/loss_tokens"] = Metric.sum(n)
+        if mb.support_offsets is not None:  # sampling-mask replay: ids kept per token
+            kept = float(np.diff(mb.support_offsets.astype(np.int64)).sum())
+            metrics["trainer/kept_vocab_per_token"] = Metric.mean(kept, n)
+        return metrics
+
+    def _all_ranks(self, metrics: Metrics) -> Metrics:
+        """This update's metrics over the data-parallel ranks (ranks may differ in which
+        keys they saw: an all-padding microbatch reports none, so gather whole dicts)."""
+        if not self.distributed:
+            return metrics
+        parts = [None] * dist.get_world_size(self.dp_group)
+        dist.all_gather_object(parts, metrics, group=self.dp_group)
+        return merge(parts)
 
     def sft_step(self, microbatches: list[Microbatch], optimizer) -> dict[str, float]:
         """One supervised step: mean negative log-likelihood of the loss-mask tokens."""
@@ -197,52 +242,29 @@ class TrainerCore:
                 total += loss.detach()
         if self.distributed:
             dist.all_reduce(total, group=self.dp_group)
-        out = {"warm_start/loss": float(total)}
-        out.update(self._optimizer_step(optimizer, out["warm_start/loss"]))
-        return out
+        loss = float(total)
+        _, metrics = self._optimizer_step(optimizer, loss)
+        return {"warm_start/loss": loss, **results(metrics)}
 
-    def _optimizer_step(self, optimizer, loss: float) -> dict[str, float]:
+    def _optimizer_step(self, optimizer, loss: float) -> tuple[bool, Metrics]:
+        """Clip and step, unless the gradient or loss is not finite; (applied, metrics)."""
         clip = self.training.max_grad_norm if self.training.max_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         norm = float(norm)
-        if not (math.isfinite(norm) and math.isfinite(loss)):
-            self.skipped_steps += 1  # never apply a non-finite update
-        else:
+        applied = math.isfinite(norm) and math.isfinite(loss)
+        if applied:
             optimizer.step()
             self.policy_version += 1
+        else:
+            self.skipped_steps += 1  # never apply a non-finite update
         optimizer.zero_grad(set_to_none=True)
-        return {
-            "trainer/grad_norm": norm,
-            "trainer/skipped_steps": float(self.skipped_steps),
-            "trainer/policy_version": float(self.policy_version),
+        return applied, {
+            "trainer/grad_norm": Metric.mean(norm, 1.0),
+            "trainer/skipped_steps": Metric.last(float(self.skipped_steps)),
+            "trainer/policy_version": Metric.last(float(self.policy_version)),
         }
-
-    def _reduce(self, sums: dict[str, float], total_loss, diff_max) -> dict[str, float]:
-        """Sum the per-rank sums (max for the log-prob gap) over ranks; ranks may differ in
-        which keys they saw (an all-padding microbatch reports none), so gather dicts."""
-        local = {**sums, "_loss": float(total_loss), "_diff_max": float(diff_max)}
-        parts = [local]
-        if self.distributed:
-            parts = [None] * dist.get_world_size(self.dp_group)
-            dist.all_gather_object(parts, local, group=self.dp_group)
-        merged: dict[str, float] = {}
-        for part in parts:
-            for k, v in part.items():
-                merged[k] = (
-                    max(merged.get(k, 0.0), v) if k == "_diff_max" else merged.get(k, 0.0) + v
-                )
-        tokens, finite = merged.pop("_tokens", 0.0), merged.pop("_finite", 0.0)
-        out = {
-            "loss/mean": merged.pop("_loss"),
-            "trainer/logprob_diff/max": merged.pop("_diff_max"),
-        }
-        for k, v in merged.items():
-            denom = finite if k == "trainer/logprob_diff/mean" else tokens
-            out[k] = v / denom if denom else 0.0
-        out["trainer/loss_tokens"] = tokens
-        return out
 
     # ---- weights ----------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -260,16 +282,20 @@ class TrainerCore:
         under FSDP each rank holds its own shards (DTensors). A collective.
 
             {"model": {fqn: tensor}, "optimizer": {"state": ..., "param_groups": ...},
-             "scheduler": LambdaLR.state_dict(), "policy_version": int, "skipped_steps": int}
+             "scheduler": LambdaLR.state_dict(), "policy_version": int, "skipped_steps": int,
+             "reference": {fqn: tensor}}   (the KL reference, only when loss.kl_coef > 0)
         """
         model, optimizer = get_state_dict(self.model, self.optimizer)
-        return {
+        state = {
             "model": model,
             "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "policy_version": self.policy_version,
             "skipped_steps": self.skipped_steps,
         }
+        if self.reference is not None:
+            state["reference"] = get_model_state_dict(self.reference.model)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned (after torch.distributed.checkpoint filled it)."""
@@ -279,6 +305,11 @@ class TrainerCore:
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
         )
+        if self.reference is not None:
+            if "reference" not in state:
+                raise ValueError("loss.kl_coef > 0, but the checkpoint holds no KL reference")
+            set_model_state_dict(self.reference.model, state["reference"])
+            self.reference.release()
         self.scheduler.load_state_dict(state["scheduler"])
         self.policy_version = int(state["policy_version"])
         self.skipped_steps = int(state["skipped_steps"])
@@ -293,3 +324,23 @@ class TrainerCore:
 
     def warm_start_optimizer(self, config: WarmStartConfig) -> torch.optim.Optimizer:
         return self._adamw(config.lr)
+
+
+def _on_host(parts: list[Metrics]) -> list[Metrics]:
+    """The same metrics with every tensor value moved to a float, in one device sync."""
+    tensors = [
+        v.detach().double().reshape(())
+        for part in parts
+        for m in part.values()
+        for v in (m.value, m.count)
+        if isinstance(v, torch.Tensor)
+    ]
+    host = iter(torch.stack(tensors).tolist() if tensors else [])
+
+    def number(v) -> float:
+        return next(host) if isinstance(v, torch.Tensor) else float(v)
+
+    return [
+        {k: Metric(m.reduce, number(m.value), number(m.count)) for k, m in part.items()}
+        for part in parts
+    ]
