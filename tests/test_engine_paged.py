@@ -144,19 +144,111 @@ def test_drain_mode_finishes_running_requests_before_swapping_and_never_mixes():
     assert versions == [(0, 0), (0, 0), (1, 1), (1, 1)]
 
 
-def test_pull_with_reset_prefix_cache_does_not_reuse_old_weight_blocks():
-    async def main(reset):
-        engine = make_engine(block_size=4, reset_prefix_cache_on_sync=reset)
+def clean_run_on(state, version, prompt_ids, sampling):
+    """What an engine that loaded `state` before its first request generates."""
+
+    async def main():
+        engine = make_engine(block_size=4)
+        engine.load_weights(state, version=version)
+        out = await engine.generate(prompt_ids, request_id="clean", sampling=sampling)
+        await engine.close()
+        return out
+
+    return run(main())
+
+
+@pytest.mark.parametrize("arrives", ["after_it_ends", "at_the_pull"])
+@pytest.mark.parametrize(
+    "recompute, new_version",
+    [(False, 1), (True, 1), (False, 0)],
+    ids=["keep_kv", "recompute", "keep_kv_same_version_number"],
+)
+def test_request_admitted_after_a_pull_never_reuses_keys_values_of_older_weights(
+    recompute, new_version, arrives
+):
+    """The review's scenario: a request runs across a hot-swap pull, and a request with the
+    same first 12 tokens (3 blocks) arrives once it has ended, or right after the pull (it
+    then runs in the forward that recomputes the first one). Without recompute the first
+    request's blocks hold old-weight keys/values and must not be shared; with it they are
+    rewritten under the new weights and may be. A repeated version number (the engine's
+    build weights and the trainer's first weights are both version 0) changes nothing."""
+    new_state = tiny_qwen3(1).state_dict()
+    running_prompt = prompt(13)
+    later_prompt = np.concatenate([running_prompt, prompt(3, 50)]).astype(np.int32)
+    sampling = replace(GREEDY, max_tokens=20)
+
+    async def main():
+        engine = make_engine(block_size=4, max_steps_per_iteration=1, recompute_on_sync=recompute)
+        running = asyncio.create_task(
+            engine.generate(running_prompt, request_id="running", sampling=sampling)
+        )
+        await yield_loop(6)
+        engine.load_weights(new_state, version=new_version)
+        if arrives == "after_it_ends":
+            await running
+        later = await engine.generate(later_prompt, request_id="later", sampling=sampling)
+        across = await running
+        await engine.close()
+        return across, later
+
+    across, later = run(main())
+    assert (across.policy_version_min, across.policy_version_max) == (0, new_version)
+    assert across.num_tokens == 20  # it filled blocks after the pull
+    clean = clean_run_on(new_state, new_version, later_prompt, sampling)
+    assert later.metrics["generator/prefix_hit_tokens"] == (12 if recompute else 0)
+    assert later.policy_version_min == later.policy_version_max == new_version
+    np.testing.assert_array_equal(later.token_ids_N, clean.token_ids_N)
+    np.testing.assert_allclose(later.logprobs_N, clean.logprobs_N, atol=1e-6, rtol=0)
+
+
+def test_request_after_a_pull_recomputes_the_prefix_of_a_finished_request():
+    new_state = tiny_qwen3(1).state_dict()
+
+    async def main():
+        engine = make_engine(block_size=4)
         await engine.generate(prompt(13), request_id="a", sampling=GREEDY)
-        engine.load_weights(tiny_qwen3(1).state_dict(), version=1)
+        engine.load_weights(new_state, version=1)
         out = await engine.generate(prompt(13), request_id="b", sampling=GREEDY)
         await engine.close()
         return out
 
-    kept, reset = run(main(False)), run(main(True))
-    assert kept.metrics["generator/prefix_hit_tokens"] == 12 and kept.policy_version_min == 0
-    assert reset.metrics["generator/prefix_hit_tokens"] == 0
-    assert reset.policy_version_min == reset.policy_version_max == 1
+    out = run(main())
+    assert out.metrics["generator/prefix_hit_tokens"] == 0
+    assert out.policy_version_min == out.policy_version_max == 1
+    assert_same(out, clean_run_on(new_state, 1, prompt(13), GREEDY))
+
+
+def test_prefix_reuse_resumes_among_requests_admitted_after_a_pull():
+    """Group siblings and the next turn of a session share blocks written under the new
+    weights, with a clean run's results."""
+    new_state = tiny_qwen3(1).state_dict()
+    group_prompt = prompt(13)
+    samplings = [replace(SAMPLED, seed=s) for s in range(3)]
+
+    async def main():
+        engine = make_engine(block_size=4)
+        await engine.generate(group_prompt, request_id="before", sampling=GREEDY)
+        engine.load_weights(new_state, version=1)
+        group = await asyncio.gather(
+            *(
+                engine.generate(group_prompt, request_id=f"g{i}", sampling=s)
+                for i, s in enumerate(samplings)
+            )
+        )
+        next_turn = np.concatenate([group_prompt, group[0].token_ids_N, prompt(3, 5)])
+        turn2 = await engine.generate(
+            next_turn.astype(np.int32), request_id="t2", session_id="s", sampling=GREEDY
+        )
+        await engine.close()
+        return group, next_turn.astype(np.int32), turn2
+
+    group, next_turn, turn2 = run(main())
+    assert [c.metrics["generator/prefix_hit_tokens"] for c in group] == [0, 12, 12]
+    assert turn2.metrics["generator/prefix_hit_tokens"] == 4 * ((len(next_turn) - 1) // 4) - 4
+    for got, sampling in zip(group, samplings):
+        assert_same(got, clean_run_on(new_state, 1, group_prompt, sampling))
+    assert_same(turn2, clean_run_on(new_state, 1, next_turn, GREEDY))
+    assert all(c.policy_version_min == c.policy_version_max == 1 for c in [*group, turn2])
 
 
 def test_engine_config_rejects_bad_sync_mode_and_too_few_blocks():

@@ -6,6 +6,17 @@ that starts with the same full blocks as an earlier sequence (the next turn of a
 whose prompt extends the last one; the siblings of a GRPO group) maps to the same hashes
 and reuses those blocks instead of recomputing them.
 
+Keys/values depend on the weights that computed them, so a cache never mixes weights: the
+chain is rooted at a weights epoch, `h_{-1} = hash(("weights", epoch))`, where the caller
+counts weight loads (a counter, not the caller's policy version: version numbers can
+repeat with different weights, e.g. a model's build weights and the trainer's first
+weights are both version 0). A sequence hashes its blocks under the epoch it was admitted
+at, so they can only be found by sequences admitted at that epoch: after a load, none
+ever again. Each block also records the epoch of the forward that completed it,
+and `match` refuses a computed block whose record differs from the epoch asked for: a
+block partly written under old weights and completed under new ones, or written after a
+prefix of old keys/values, is never served.
+
 Block life cycle, by reference count:
 - in use (ref > 0): listed in at least one running sequence's block table;
 - cached (ref == 0, hashed, computed): kept for reuse, evicted least recently freed first;
@@ -22,7 +33,10 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-_ROOT_HASH = 0
+
+def root_hash(epoch: int) -> int:
+    """First link of every hash chain of `epoch` (see the module docstring)."""
+    return hash(("weights", epoch))
 
 
 class BlockManager:
@@ -39,7 +53,7 @@ class BlockManager:
         self._ref = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
         self._computed = [False] * num_blocks
-        self._version = [0] * num_blocks
+        self._epoch = [0] * num_blocks
         self._by_hash: dict[int, int] = {}
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()
@@ -52,28 +66,34 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def chain_hashes(self, token_ids: list[int], start: list[int]) -> list[int]:
-        """Extends `start` (hashes of the first full blocks) to every full block of `token_ids`."""
+    def chain_hashes(self, token_ids: list[int], start: list[int], epoch: int) -> list[int]:
+        """Extends `start` (hashes of the first full blocks, rooted at `epoch`) to every full
+        block of `token_ids`."""
         bs = self.block_size
         hashes = list(start)
+        parent = hashes[-1] if hashes else root_hash(epoch)
         for i in range(len(hashes), len(token_ids) // bs):
-            parent = hashes[-1] if hashes else _ROOT_HASH
-            hashes.append(hash((parent, tuple(token_ids[i * bs : (i + 1) * bs]))))
+            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            hashes.append(parent)
         return hashes
 
-    def match(self, hashes: list[int], max_tokens: int) -> tuple[list[int], int | None]:
-        """Blocks holding the longest cached prefix of at most `max_tokens` tokens, and the
-        oldest policy version they were computed under (None when nothing matched)."""
+    def match(self, hashes: list[int], max_tokens: int, epoch: int) -> list[int]:
+        """Blocks holding the longest cached prefix of at most `max_tokens` tokens, all
+        computed under `epoch` (`hashes` are rooted at it) or about to be (in use)."""
         if not self.enable_prefix_cache:
-            return [], None
+            return []
         blocks: list[int] = []
         for h in hashes[: max_tokens // self.block_size]:
             block = self._by_hash.get(h)
-            if block is None or not (self._computed[block] or self._ref[block] > 0):
+            if block is None:
                 break
+            if self._computed[block]:
+                if self._epoch[block] != epoch:
+                    break  # completed under other weights than its chain's
+            elif self._ref[block] == 0:
+                break  # never written and no longer being written
             blocks.append(block)
-        oldest = min((self._version[b] for b in blocks if self._computed[b]), default=None)
-        return blocks, oldest
+        return blocks
 
     def can_allocate(self, cached: list[int], num_new_blocks: int) -> bool:
         reclaimed = sum(1 for b in cached if self._ref[b] == 0)
@@ -108,13 +128,13 @@ class BlockManager:
                 self._hash[block] = h
                 self._by_hash[h] = block
 
-    def mark_computed(self, table: list[int], num_tokens: int, version: int) -> None:
+    def mark_computed(self, table: list[int], num_tokens: int, epoch: int) -> None:
         """Records that the first `num_tokens` positions of `table` now hold keys/values
-        computed under `version` (only whole blocks count)."""
+        and that the forward completing a block ran under `epoch` (only whole blocks count)."""
         for block in table[: num_tokens // self.block_size]:
             if not self._computed[block]:
                 self._computed[block] = True
-                self._version[block] = version
+                self._epoch[block] = epoch
 
     def free(self, table: list[int]) -> None:
         """Drops one reference to each block; tail blocks are evicted before head blocks."""
@@ -132,16 +152,21 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forgets every hash: cached blocks become free, blocks in use are no longer shared
-        with new sequences."""
-        for block in range(self.num_blocks):
-            self._unhash(block)
+        with new sequences. After a weight load no hashed block can match again (its chain
+        has an older root), so this changes no result; it hands those blocks out before
+        matchable cached ones instead of letting them age through the LRU order."""
+        for block in self._by_hash.values():
+            self._hash[block] = None
+        self._by_hash.clear()
         self._free.extend(self._cached)
         self._cached.clear()
 
     def invalidate(self, table: list[int]) -> None:
-        """Marks a table's blocks as not computed (their keys/values are about to be rewritten)."""
+        """Marks a table's blocks as not computed and forgets their hashes: their keys/values
+        are about to be rewritten, and the caller may register them again."""
         for block in table:
             self._computed[block] = False
+            self._unhash(block)
 
     def _take(self) -> int:
         if self._free:

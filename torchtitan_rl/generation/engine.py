@@ -67,10 +67,10 @@ class EngineConfig:
     weight_sync_mode: str = "hot_swap"
     """"hot_swap": running requests continue under new weights from their next token;
     "drain": stop admitting, finish running requests, then swap (never mixes versions)."""
-    reset_prefix_cache_on_sync: bool = True
-    """After a weight pull, forget cached blocks computed under older weights."""
     recompute_on_sync: bool = False
-    """After a weight pull, re-prefill running requests under the new weights."""
+    """After a weight pull, re-prefill running requests under the new weights (their blocks
+    are then shareable again). Either way no request admitted after a pull reuses keys/values
+    of older weights: the prefix cache is keyed by weight load."""
     decode_attention: str = "auto"
     """Decode-step attention: "auto" (triton on CUDA, else gather) | "gather" (any device) |
     "triton" (paged kernel, CUDA only)."""
@@ -331,7 +331,7 @@ class Engine:
             assert action.batch is not None
             requests = list(self._sched.running)
             logits_NV = self._runner.forward(action.batch)
-            self._sched.step_done(requests, self._version)
+            self._sched.step_done(requests)
             self._sample(requests, logits_NV)
 
     def _pull_weights(self) -> None:
@@ -339,10 +339,7 @@ class Engine:
             self._runner.load_state_dict(state)
             self._version = version
         self._pending_weights.clear()
-        if self.config.reset_prefix_cache_on_sync:
-            self._sched.blocks.reset_prefix_cache()
-        if self.config.recompute_on_sync:
-            self._sched.recompute_running()
+        self._sched.weights_changed(self._version, recompute=self.config.recompute_on_sync)
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self._sched.running if r.future.done()]:

@@ -14,6 +14,13 @@ Preemption is by recompute: when a running request needs a block and none is fre
 most recently admitted request gives back its blocks and returns to the head of the
 queue with what it has generated; on re-admission it prefills P + A (its computed blocks
 are usually still in the prefix cache, so that is cheap).
+
+Weight loads: the scheduler counts them (`epoch`) and roots every request's hash chain at
+the epoch it was admitted at, so a request admitted after a load never finds blocks
+written under older weights (see block_manager.py). A request running across a load keeps
+its keys/values (hot swap) and shares no more blocks, since they mix weights; with
+`recompute` it re-feeds all its tokens and its blocks are re-hashed under the new epoch,
+so later requests may share them once the next forward has rewritten them.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ class Request:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
+    hash_epoch: int = 0
+    """Weights epoch `hashes` are rooted at: the scheduler's at admission or recompute."""
     admitted_s: float = 0.0
     first_token_s: float = 0.0
     prefix_hit_tokens: int = -1
@@ -78,6 +87,10 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
+        self.version = 0
+        """Policy version of the weights the next forward computes with."""
+        self.epoch = 0
+        """Weight loads so far: keys the prefix cache, unlike `version` never repeats."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         """In admission order: preemption takes from the end."""
@@ -93,9 +106,10 @@ class Scheduler:
                 self.waiting.popleft()
                 continue
             tokens = request.tokens
-            request.hashes = self.blocks.chain_hashes(tokens, [])
+            request.hashes = self.blocks.chain_hashes(tokens, [], self.epoch)
+            request.hash_epoch = self.epoch
             # At least one token must be fed, to get the next-token logits.
-            cached, oldest = self.blocks.match(request.hashes, len(tokens) - 1)
+            cached = self.blocks.match(request.hashes, len(tokens) - 1, self.epoch)
             new = self.blocks.blocks_needed(len(tokens)) - len(cached)
             if not self.blocks.can_allocate(cached, new):
                 break
@@ -103,8 +117,8 @@ class Scheduler:
             request.block_table = self.blocks.allocate(cached, len(tokens))
             self.blocks.register(request.block_table, request.hashes)
             request.num_computed = len(cached) * bs
-            if oldest is not None:
-                request.saw_version(oldest)
+            if cached:
+                request.saw_version(self.version)
             if request.prefix_hit_tokens < 0:
                 request.prefix_hit_tokens = request.num_computed
                 request.admitted_s = now
@@ -135,17 +149,19 @@ class Scheduler:
             for r in self.running
         ]
 
-    def step_done(self, requests: list[Request], version: int) -> None:
-        """Records that a forward wrote every pending token of `requests`."""
+    def step_done(self, requests: list[Request]) -> None:
+        """Records that a forward wrote every pending token of `requests`; blocks it filled
+        become shareable unless their request holds keys/values of older weights."""
         bs = self.blocks.block_size
         for request in requests:
             before = request.num_computed
             request.num_computed = len(request.prompt_ids) + len(request.token_ids)
             if request.num_computed // bs > before // bs:  # a block filled up
-                self.blocks.mark_computed(request.block_table, request.num_computed, version)
-                if len(request.hashes) < request.num_computed // bs:
+                self.blocks.mark_computed(request.block_table, request.num_computed, self.epoch)
+                stale = request.hash_epoch != self.epoch  # ran across a load, kept its KV
+                if not stale and len(request.hashes) < request.num_computed // bs:
                     request.hashes = self.blocks.chain_hashes(
-                        request.tokens[: request.num_computed], request.hashes
+                        request.tokens[: request.num_computed], request.hashes, self.epoch
                     )
                     self.blocks.register(request.block_table, request.hashes)
 
@@ -161,12 +177,26 @@ class Scheduler:
         self.running.remove(request)
         self.blocks.free(request.block_table)
 
+    def weights_changed(self, version: int, *, recompute: bool) -> None:
+        """The next forward computes with new weights (see the module docstring)."""
+        self.version = version
+        self.epoch += 1
+        self.blocks.reset_prefix_cache()
+        if recompute:
+            self.recompute_running()
+
     def recompute_running(self) -> None:
-        """Makes every running request re-feed all its tokens at the next step (after a
-        weight pull); its blocks are rewritten in place."""
+        """Makes every running request re-feed all its tokens at the next step, rewriting
+        its blocks in place, and hashes them under the current epoch: as at admission,
+        until that forward they are shared only with sequences that run in it. All blocks
+        are invalidated before any is registered again (siblings share blocks)."""
         for request in self.running:
             self.blocks.invalidate(request.block_table)
+        for request in self.running:
             request.num_computed = 0
+            request.hashes = self.blocks.chain_hashes(request.tokens, [], self.epoch)
+            request.hash_epoch = self.epoch
+            self.blocks.register(request.block_table, request.hashes)
 
     def drop_all(self) -> list[Request]:
         """Empties the queue and the batch (freeing blocks); returns what was there."""
