@@ -1,4 +1,4 @@
-"""Summarise a run's TensorBoard folder: seconds per RL step by stage, and the reward.
+"""Summarise a run's TensorBoard folder: seconds per RL step by stage, the mismatch, the reward.
 
     python scripts/summarize_run.py outputs/alphabet_sort_tiny            # a run folder
     python scripts/summarize_run.py outputs/alphabet_sort_tiny/tb --json out.json
@@ -24,6 +24,15 @@ PERF_TAGS = (
     "perf/step_seconds",
 )
 """Stage timings, in seconds per RL step; step = generate + train + sync (+ bookkeeping)."""
+OLD_LOGPROB_TAGS = ("perf/old_logprobs_seconds",)
+"""Part of perf/train_seconds spent recomputing pi_old (loss.old_logprobs = "recompute")."""
+MISMATCH_TAGS = (
+    "trainer/logprob_diff/mean",
+    "trainer/logprob_diff/max",
+    "loss/ratio_mean",
+    "loss/clip_frac",
+)
+"""Generator-vs-trainer log-prob gap and the PPO ratio the update saw."""
 REWARD_TAGS = ("rollout_reward/mean", "validation_reward/mean")
 
 
@@ -44,7 +53,7 @@ def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def summarize(scalars: dict[str, list[tuple[int, float]]]) -> dict[str, dict[str, float]]:
     """Per tag: steps, mean, mean without step 1, first and last value (RL steps only)."""
     rows = {}
-    for tag in (*PERF_TAGS, *REWARD_TAGS):
+    for tag in (*PERF_TAGS, *OLD_LOGPROB_TAGS, *MISMATCH_TAGS, *REWARD_TAGS):
         series = [(s, v) for s, v in scalars.get(tag, []) if s >= 0 and math.isfinite(v)]
         if tag.startswith("perf/"):
             series = [(s, v) for s, v in series if s >= 1]
@@ -65,13 +74,13 @@ def summarize(scalars: dict[str, list[tuple[int, float]]]) -> dict[str, dict[str
 def format_table(rows: dict[str, dict[str, float]], title: str) -> str:
     lines = [
         title,
-        f"| {'tag':<24} | {'steps':>5} | {'mean':>8} | {'mean w/o 1st':>12} | "
+        f"| {'tag':<26} | {'steps':>5} | {'mean':>8} | {'mean w/o 1st':>12} | "
         f"{'first':>8} | {'last':>8} |",
-        f"|{'-' * 26}|{'-' * 7}|{'-' * 10}|{'-' * 14}|{'-' * 10}|{'-' * 10}|",
+        f"|{'-' * 28}|{'-' * 7}|{'-' * 10}|{'-' * 14}|{'-' * 10}|{'-' * 10}|",
     ]
     for tag, r in rows.items():
         lines.append(
-            f"| {tag:<24} | {r['steps']:>5d} | {r['mean']:>8.3f} | {r['mean_wo_first']:>12.3f} | "
+            f"| {tag:<26} | {r['steps']:>5d} | {r['mean']:>8.3f} | {r['mean_wo_first']:>12.3f} | "
             f"{r['first']:>8.3f} | {r['last']:>8.3f} |"
         )
     return "\n".join(lines)

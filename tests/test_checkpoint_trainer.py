@@ -1,6 +1,7 @@
 """Trainer state through torch.distributed.checkpoint: a restored core continues exactly."""
 
 import numpy as np
+import pytest
 import torch
 
 from torchtitan_rl.losses.corrections import CorrectionConfig
@@ -15,11 +16,11 @@ from torchtitan_rl.types import Episode
 VOCAB = 96
 
 
-def _core(seed=0):
+def _core(seed=0, kl_coef=0.0):
     return TrainerCore(
         model_config=ModelConfig(max_seq_len=64),
         training=TrainingConfig(lr=1e-2, warmup_steps=5, weight_decay=0.1),
-        loss=LossConfig(),
+        loss=LossConfig(kl_coef=kl_coef),
         correction=CorrectionConfig(),
         vocab_size=VOCAB,
         device=torch.device("cpu"),
@@ -49,21 +50,26 @@ def _batch(seed):
     return batches[0]
 
 
-def test_restored_trainer_continues_exactly(tmp_path):
-    straight = _core()
+@pytest.mark.parametrize("kl_coef", [0.0, 0.5])
+def test_restored_trainer_continues_exactly(tmp_path, kl_coef):
+    """With a KL penalty the frozen reference comes back from the checkpoint too (the
+    resumed core starts from other weights, so loss/kl would differ otherwise)."""
+    straight = _core(kl_coef=kl_coef)
     for step in range(4):
         out_straight = straight.train_step([_batch(step)], temperature=1.0)
 
-    first = _core()
+    first = _core(kl_coef=kl_coef)
     for step in range(2):
         first.train_step([_batch(step)], temperature=1.0)
     save_trainer_state(first, tmp_path / "trainer")
-    resumed = _core(seed=1)  # different init: everything must come from the checkpoint
+    # different init: everything must come from the checkpoint
+    resumed = _core(seed=1, kl_coef=kl_coef)
     assert load_trainer_state(resumed, tmp_path / "trainer") == 2
     assert resumed.scheduler.last_epoch == first.scheduler.last_epoch
     for step in range(2, 4):
         out_resumed = resumed.train_step([_batch(step)], temperature=1.0)
 
-    assert out_resumed == out_straight  # loss, grad norm, lr (warmup position), version
+    assert out_resumed == out_straight  # loss, grad norm, lr (warmup position), version, kl
+    assert (out_straight.get("loss/kl", 1.0)) > 0
     a, b = straight.full_state_dict(), resumed.full_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -29,7 +29,7 @@ REQUIRED_TAGS = [
 ]
 
 
-def _config(tmp_path):
+def _config(tmp_path, *extra):
     return load_config(
         ROOT / "train_configs" / "alphabet_sort_tiny.toml",
         [
@@ -53,6 +53,8 @@ def _config(tmp_path):
             "--generator.max_num_seqs=16",
             "--generator.num_replicas=2",  # two generator meshes behind the router
             "--training.minibatches=1",  # one optimizer step per RL step
+            "--loss.old_logprobs=generator",  # fp32 both sides: mu is pi_old bit for bit
+            *extra,
         ],
     )
 
@@ -129,3 +131,47 @@ def test_two_rl_steps_through_monarch(tmp_path):
     versions = [e.value for e in events.Scalars("trainer/policy_version")]
     assert versions[-1] == 4
     assert (r["tb_dir"].parent / "config.toml").is_file()
+
+
+@pytest.mark.slow
+def test_bf16_generator_mismatch_is_measured_and_corrected(tmp_path):
+    """A bfloat16 generator and an fp32 trainer disagree for real: three RL steps with pi_old
+    recomputed, token-level TIS and a KL penalty write the mismatch, correction and KL
+    curves, and KL is positive once the policy has moved off the reference."""
+    config = _config(
+        tmp_path,
+        "--training.steps=3",
+        "--generator.dtype=bfloat16",
+        "--generator.num_replicas=1",
+        "--loss.old_logprobs=recompute",
+        "--correction.level=token",
+        "--correction.action=truncate",
+        "--loss.kl_coef=0.05",
+        "--validation.interval=0",
+    )
+
+    async def run():
+        controller = Controller(config, use_tqdm=False)
+        try:
+            await controller.start()
+            await controller.warm_start()
+            return [await controller.rl_step(step) for step in (1, 2, 3)]
+        finally:
+            await controller.close()
+
+    steps = asyncio.run(run())
+    assert all(m["trainer/logprob_diff/max"] > 0 for m in steps)
+    assert steps[0]["loss/kl"] == 0 and steps[1]["loss/kl"] > 0 and steps[2]["loss/kl"] > 0
+    assert [m["trainer/policy_version"] for m in steps] == [3, 4, 5]
+    events = EventAccumulator(str(tmp_path / "e2e" / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    wanted = {
+        "correction/ratio_mean",
+        "correction/ratio_min",
+        "correction/ratio_max",
+        "correction/truncated_frac",
+        "loss/kl",
+        "trainer/logprob_diff/max",
+    }
+    assert wanted <= tags, wanted - tags

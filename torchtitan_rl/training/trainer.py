@@ -12,6 +12,7 @@ Legend: R rows, S sequence length, N loss tokens of a microbatch.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import torch
@@ -164,14 +165,18 @@ class TrainerCore:
         and updates by each metric's own reduction."""
         self.model.train()
         tensors = [[self._tensors(mb) for mb in microbatches] for microbatches in updates]
-        old = None
+        old, timer = None, _StageTimer(self.device)
         if self.loss_config.old_logprobs == "recompute":
-            old = self._old_logprobs(tensors, temperature)
+            with timer:
+                old = self._old_logprobs(tensors, temperature)
         parts = []
         for i, microbatches in enumerate(updates):
             old_i = old[i] if old is not None else [None] * len(microbatches)
             parts.append(self._update(microbatches, tensors[i], old_i, temperature))
-        return results(merge(parts))
+        out = results(merge(parts))
+        if old is not None:  # read after the updates synced the device: no extra sync
+            out["perf/old_logprobs_seconds"] = timer.seconds()
+        return out
 
     @torch.no_grad()
     def _old_logprobs(self, tensors: list[list[dict]], temperature: float) -> list[list]:
@@ -324,6 +329,34 @@ class TrainerCore:
 
     def warm_start_optimizer(self, config: WarmStartConfig) -> torch.optim.Optimizer:
         return self._adamw(config.lr)
+
+
+class _StageTimer:
+    """Wall time of a block of device work, without a host sync inside the step: CUDA
+    events on a GPU (read once the step has synced anyway), the host clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._start = self._end = None
+
+    def __enter__(self):
+        if self.cuda:
+            self._start, self._end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self._end.record()
+        else:
+            self._end = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            return self._start.elapsed_time(self._end) / 1e3
+        return self._end - self._start
 
 
 def _on_host(parts: list[Metrics]) -> list[Metrics]:
