@@ -181,11 +181,11 @@ def test_demonstration_is_token_consistent_with_prompt_and_continuation_renderin
 @pytest.mark.parametrize(
     ("section", "field"),
     [
-        ({"min_names": 0}, "alphabet_sort.min_names"),
-        ({"min_names": 3, "max_names": 2}, "alphabet_sort.max_names"),
-        ({"max_names": 6}, "alphabet_sort.max_names"),
-        ({"reward_power": 0.0}, "alphabet_sort.reward_power"),
-        ({"sort_by": "middle"}, "alphabet_sort.sort_by"),
+        ({"min_names": 0}, "env.args.min_names"),
+        ({"min_names": 3, "max_names": 2}, "env.args.max_names"),
+        ({"max_names": 6}, "env.args.max_names"),
+        ({"reward_power": 0.0}, "env.args.reward_power"),
+        ({"sort_by": "middle"}, "env.args.sort_by"),
     ],
 )
 def test_config_validate_names_the_bad_field(section, field):

@@ -46,7 +46,7 @@ def _config(tmp_path, *extra):
             # a barely trained policy often scores 0 everywhere (no advantage signal); the
             # entropy bonus guarantees the RL step itself has a gradient to apply
             "--loss.entropy_coef=0.01",
-            "--alphabet_sort.reward_power=1.0",
+            "--env.args.reward_power=1.0",
             "--validation.num_samples=4",
             "--validation.max_tokens=16",
             "--validation.interval=1",

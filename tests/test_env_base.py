@@ -2,8 +2,8 @@ import asyncio
 
 import pytest
 
-from torchtitan_rl.envs import ENVS, AlphabetSortConfig, build_environment
-from torchtitan_rl.envs.alphabet_sort import AlphabetSort
+from torchtitan_rl.envs import ENVS, build_environment, resolve_environment
+from torchtitan_rl.envs.alphabet_sort import AlphabetSort, AlphabetSortConfig
 from torchtitan_rl.envs.base import EnvConfig, Environment, MessageEnv, Rubric, StepResult
 from torchtitan_rl.types import Rollout
 
@@ -57,15 +57,23 @@ def test_build_environment_rejects_unknown_name_listing_valid_ones():
         build_environment(EnvConfig(name="nope"), seed=0)
 
 
-def test_build_environment_rejects_a_section_of_the_wrong_type():
+def test_build_environment_rejects_args_of_the_wrong_type():
     with pytest.raises(ValueError, match="AlphabetSortConfig"):
-        build_environment(EnvConfig(), seed=0, section=EnvConfig())
+        build_environment(EnvConfig(), seed=0, args=EnvConfig())
 
 
-def test_build_environment_passes_the_env_section():
-    env = build_environment(EnvConfig(), seed=0, section=AlphabetSortConfig(sort_by="last"))
+def test_build_environment_passes_the_env_args():
+    env = build_environment(EnvConfig(), seed=0, args=AlphabetSortConfig(sort_by="last"))
     assert isinstance(env, AlphabetSort) and ENVS["alphabet_sort"] is AlphabetSort
     assert env.train_sample(0)["sort_by"] == "last"
+
+
+def test_an_import_path_names_an_environment_outside_the_package():
+    assert resolve_environment("tests.fakes:FakeEnvironment").__name__ == "FakeEnvironment"
+    with pytest.raises(ValueError, match="cannot import"):
+        resolve_environment("no_such_module:Env")
+    with pytest.raises(ValueError, match="no Environment subclass"):
+        resolve_environment("tests.fakes:FakeRenderer")
 
 
 class EchoEnv(MessageEnv):

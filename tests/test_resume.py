@@ -42,7 +42,7 @@ def tiny_config(tmp_path, run_name, *overrides):
             # the entropy bonus gives every step a gradient that depends on the samples
             "--rollout.filter_zero_std_groups=false",
             "--loss.entropy_coef=0.01",
-            "--alphabet_sort.reward_power=1.0",
+            "--env.args.reward_power=1.0",
             "--validation.interval=3",
             "--validation.num_samples=4",
             "--validation.max_tokens=8",

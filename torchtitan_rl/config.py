@@ -20,8 +20,7 @@ from torchtitan_rl.controller_config import (
     ParallelismConfig,
     ValidationConfig,
 )
-from torchtitan_rl.envs import ENVS
-from torchtitan_rl.envs.alphabet_sort import AlphabetSortConfig
+from torchtitan_rl.envs import resolve_environment
 from torchtitan_rl.envs.base import EnvConfig
 from torchtitan_rl.generation.engine import EngineConfig
 from torchtitan_rl.losses.corrections import CorrectionConfig, check_objective
@@ -48,7 +47,6 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
-    alphabet_sort: AlphabetSortConfig = field(default_factory=AlphabetSortConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
@@ -56,8 +54,6 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> None:
-        if self.env.name not in ENVS:
-            raise ConfigError(f"env.name must be one of {sorted(ENVS)}, got {self.env.name!r}")
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             check = getattr(section, "validate", None)
@@ -73,6 +69,41 @@ class Config:
             check_objective(self.loss, self.correction)
         except ValueError as e:
             raise ConfigError(str(e)) from e
+        self.env_args()  # the environment exists and its settings are valid
+        if self.warm_start.steps > 0 and not self.environment_class().has_demonstrations():
+            raise ConfigError(
+                f"warm_start.steps={self.warm_start.steps} needs demonstrations, but "
+                f"env.name={self.env.name!r} does not implement demonstration(); "
+                "set warm_start.steps = 0"
+            )
+
+    def environment_class(self):
+        """The class `env.name` names; ConfigError if it cannot be found."""
+        try:
+            return resolve_environment(self.env.name)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+
+    def env_args(self) -> Any:
+        """`env.args` as the environment's own config dataclass (defaults for unset keys),
+        validated; None for an environment without settings. ConfigError names the key."""
+        cls = self.environment_class()
+        where = f"env.args of {self.env.name!r}"
+        if cls.config_class is None:
+            if self.env.args:
+                raise ConfigError(
+                    f"{where}: this environment takes no settings, got {self.env.args}"
+                )
+            return None
+        args = cls.config_class()
+        _apply_section(args, self.env.args, where, "env.args")
+        check = getattr(args, "validate", None)
+        if check is not None:
+            try:
+                check()
+            except ValueError as e:
+                raise ConfigError(f"{where}: {e}") from e
+        return args
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
@@ -93,12 +124,28 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     elif origin is list:
         ok = isinstance(value, list | tuple)
         value = list(value) if ok else value
-    else:
-        ok = True
+    elif origin is dict:
+        ok = isinstance(value, dict)
+    else:  # a field type this loader cannot check: a bug in that dataclass, said plainly
+        raise ConfigError(f"{key}: its field type {hint!r} cannot be set from TOML")
     if not ok:
         name = getattr(hint, "__name__", str(hint))
         raise ConfigError(f"{key}: expected {name}, got {type(value).__name__} {value!r}")
     return value
+
+
+def _apply_section(section: Any, values: dict[str, Any], source: str, name: str) -> None:
+    """Set `values` on the dataclass `section`; `name` prefixes keys in errors. A dict
+    field is updated key by key (a later --env.args.k=v keeps the file's other keys)."""
+    hints = typing.get_type_hints(type(section))
+    valid = [f.name for f in dataclasses.fields(section)]
+    for key, value in values.items():
+        if key not in valid:
+            raise ConfigError(f"{source}: unknown key {name}.{key}; valid keys: {valid}")
+        value = _coerce(f"{name}.{key}", value, hints[key])
+        if isinstance(value, dict):
+            value = {**getattr(section, key), **value}
+        setattr(section, key, value)
 
 
 def _apply(config: Config, table: dict[str, Any], source: str) -> None:
@@ -108,25 +155,23 @@ def _apply(config: Config, table: dict[str, Any], source: str) -> None:
             raise ConfigError(f"{source}: unknown section [{name}]; valid: {sorted(sections)}")
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: '{name}' must be a [section] table")
-        section = getattr(config, name)
-        hints = typing.get_type_hints(type(section))
-        valid = [f.name for f in dataclasses.fields(section)]
-        for key, value in values.items():
-            if key not in valid:
-                raise ConfigError(f"{source}: unknown key {name}.{key}; valid keys: {valid}")
-            setattr(section, key, _coerce(f"{name}.{key}", value, hints[key]))
+        _apply_section(getattr(config, name), values, source, name)
 
 
-def _parse_override(arg: str) -> tuple[str, str, Any]:
+def _parse_override(arg: str) -> dict[str, Any]:
+    """`--section.key=value` (or `--env.args.key=value`) as the table it stands for."""
     if not arg.startswith("--") or "=" not in arg or "." not in arg.split("=", 1)[0]:
         raise ConfigError(f"bad argument {arg!r}: overrides look like --section.key=value")
     dotted, raw = arg[2:].split("=", 1)
-    section, key = dotted.split(".", 1)
     try:
         value = tomli.loads(f"v = {raw}")["v"]
     except tomli.TOMLDecodeError:
         value = raw  # bare strings need no quotes on the command line
-    return section, key, value
+    *path, key = dotted.split(".")
+    table: dict[str, Any] = {key: value}
+    for part in reversed(path):
+        table = {part: table}
+    return table
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
@@ -142,21 +187,28 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{path}: TOML syntax error: {e}") from e
         _apply(config, table, str(path))
     for arg in overrides:
-        section, key, value = _parse_override(arg)
-        _apply(config, {section: {key: value}}, "override")
+        _apply(config, _parse_override(arg), "override")
     config.validate()
     return config
 
 
 def to_toml(config: Config) -> str:
-    """The resolved config as TOML text (what the run saves as config.toml)."""
+    """The resolved config as TOML text (what the run saves as config.toml); the
+    environment's settings are written in full, defaults included, as [env.args]."""
     lines = []
     for f in dataclasses.fields(config):
         lines.append(f"[{f.name}]")
         section = getattr(config, f.name)
         for sf in dataclasses.fields(section):
-            lines.append(f"{sf.name} = {_toml_value(getattr(section, sf.name))}")
+            if not isinstance(getattr(section, sf.name), dict):
+                lines.append(f"{sf.name} = {_toml_value(getattr(section, sf.name))}")
         lines.append("")
+        if f.name == "env":
+            args = config.env_args()
+            lines.append("[env.args]")
+            for af in dataclasses.fields(args) if args is not None else ():
+                lines.append(f"{af.name} = {_toml_value(getattr(args, af.name))}")
+            lines.append("")
     return "\n".join(lines)
 
 

@@ -72,7 +72,7 @@ class Controller:
         self.run_dir = Path(config.job.output_dir) / config.job.run_name
         self.tokenizer = Tokenizer.from_file(config.model.hf_checkpoint or None)
         self.renderer = Renderer(self.tokenizer)
-        self.environment = build_environment(config.env, config.job.seed, config.alphabet_sort)
+        self.environment = build_environment(config.env, config.job.seed, config.env_args())
         self.rollouter = Rollouter(
             self.environment, self.renderer, config.env, config.rollout, config.job.seed
         )

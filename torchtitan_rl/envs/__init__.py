@@ -1,10 +1,11 @@
-"""Environments by name; `build_environment` turns the `[env]` section into one."""
+"""Environments by name or import path; `build_environment` turns `[env]` into one."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from torchtitan_rl.envs.alphabet_sort import AlphabetSort, AlphabetSortConfig
+from torchtitan_rl.envs.alphabet_sort import AlphabetSort
 from torchtitan_rl.envs.base import (
     EnvConfig,
     Environment,
@@ -15,30 +16,38 @@ from torchtitan_rl.envs.base import (
 )
 
 ENVS: dict[str, type[Environment]] = {"alphabet_sort": AlphabetSort}
-"""Every environment, by the name `env.name` selects."""
-
-ENV_CONFIGS: dict[str, type] = {"alphabet_sort": AlphabetSortConfig}
-"""Each environment's own config class (its TOML section is named like the env)."""
+"""The built-in environments, by the name `env.name` selects."""
 
 
-def build_environment(config: EnvConfig, seed: int, section: Any | None = None) -> Environment:
-    """Build `config.name`; `section` is that env's own config (e.g. AlphabetSortConfig),
-    None for its defaults."""
-    if config.name not in ENVS:
-        raise ValueError(f"env.name must be one of {sorted(ENVS)}, got {config.name!r}")
-    expected = ENV_CONFIGS[config.name]
-    if section is not None and not isinstance(section, expected):
+def resolve_environment(name: str) -> type[Environment]:
+    """A built-in name, or "package.module:ClassName" of an `Environment` subclass."""
+    if ":" not in name:
+        if name not in ENVS:
+            raise ValueError(
+                f"env.name must be one of {sorted(ENVS)} or 'package.module:ClassName', "
+                f"got {name!r}"
+            )
+        return ENVS[name]
+    module_name, _, class_name = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"env.name={name!r}: cannot import {module_name!r} ({e})") from e
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(
-            f"the config section of env {config.name!r} must be a {expected.__name__}, "
-            f"got {type(section).__name__}"
+            f"env.name={name!r}: {module_name} has no Environment subclass {class_name!r}"
         )
-    return ENVS[config.name](config, seed, section)
+    return cls
+
+
+def build_environment(config: EnvConfig, seed: int, args: Any = None) -> Environment:
+    """Build `config.name` with `args`, an instance of its `config_class` (None: defaults)."""
+    return resolve_environment(config.name)(config, seed, args)
 
 
 __all__ = [
     "ENVS",
-    "ENV_CONFIGS",
-    "AlphabetSortConfig",
     "EnvConfig",
     "Environment",
     "MessageEnv",
@@ -46,4 +55,5 @@ __all__ = [
     "Rubric",
     "StepResult",
     "build_environment",
+    "resolve_environment",
 ]

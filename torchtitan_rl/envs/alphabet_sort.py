@@ -65,7 +65,7 @@ class SortBy(StrEnum):
 
 @dataclass(kw_only=True, slots=True)
 class AlphabetSortConfig:
-    """The `[alphabet_sort]` section."""
+    """AlphabetSort's settings: the `[env.args]` table."""
 
     min_names: int = 1
     """Fewest new names shown per turn, in [1, max_names]."""
@@ -79,19 +79,18 @@ class AlphabetSortConfig:
     def validate(self) -> None:
         if not 1 <= self.min_names <= MAX_NAMES_PER_TURN:
             raise ValueError(
-                f"alphabet_sort.min_names must be in [1, {MAX_NAMES_PER_TURN}], got {self.min_names}"
+                f"env.args.min_names must be in [1, {MAX_NAMES_PER_TURN}], got {self.min_names}"
             )
         if not self.min_names <= self.max_names <= MAX_NAMES_PER_TURN:
             raise ValueError(
-                f"alphabet_sort.max_names must be in [min_names={self.min_names}, "
+                f"env.args.max_names must be in [min_names={self.min_names}, "
                 f"{MAX_NAMES_PER_TURN}], got {self.max_names}"
             )
         if not self.reward_power > 0:
-            raise ValueError(f"alphabet_sort.reward_power must be > 0, got {self.reward_power}")
+            raise ValueError(f"env.args.reward_power must be > 0, got {self.reward_power}")
         if self.sort_by not in tuple(SortBy):
             raise ValueError(
-                f"alphabet_sort.sort_by must be one of {[s.value for s in SortBy]}, "
-                f"got {self.sort_by!r}"
+                f"env.args.sort_by must be one of {[s.value for s in SortBy]}, got {self.sort_by!r}"
             )
 
 
@@ -141,8 +140,9 @@ def gold_reply(sample: dict[str, Any], turn: int) -> str:
 
 
 def extract_block(text: str, tag: str) -> str | None:
-    """Content of the last complete <tag>...</tag> block, or None if there is none."""
-    blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL)
+    """Content of the last complete <tag>...</tag> block, or None if there is none; the
+    tags match in any case, as in the original environment."""
+    blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL | re.IGNORECASE)
     return blocks[-1] if blocks else None
 
 
@@ -196,15 +196,16 @@ class AlphabetSort(Environment):
     """Samples are `{"sort_by": "first" | "last", "names_per_turn": [[name, ...], ...]}`
     with `env.max_turns` turns of distinct names."""
 
-    def __init__(self, config: EnvConfig, seed: int, section: AlphabetSortConfig | None = None):
-        super().__init__(config, seed)
-        self.section = AlphabetSortConfig() if section is None else section
-        self.section.validate()
+    config_class = AlphabetSortConfig
+
+    def __init__(self, config: EnvConfig, seed: int, args: AlphabetSortConfig | None = None):
+        super().__init__(config, seed, args)
+        self.section: AlphabetSortConfig = self.args
         self.names = load_names()
         needed = config.max_turns * self.section.max_names
         if needed > len(self.names):
             raise ValueError(
-                f"env.max_turns={config.max_turns} with alphabet_sort.max_names="
+                f"env.max_turns={config.max_turns} with env.args.max_names="
                 f"{self.section.max_names} needs {needed} distinct names; the pool has "
                 f"{len(self.names)}, so keep max_turns * max_names <= {len(self.names)}"
             )

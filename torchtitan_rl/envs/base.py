@@ -1,10 +1,12 @@
 """What an RL environment provides: datasets, per-rollout chat envs and a reward rubric.
 
-A user writes two classes. `MessageEnv` plays one rollout as a chat: `init` returns the
-opening messages, `step` takes the assistant's text and returns the env's reply. An
-`Environment` (one per env name) makes the samples those envs are played on, the envs
-themselves, the `Rubric` that turns a finished `Rollout` into a reward, and gold
-conversations for the supervised warm start.
+A user writes two classes, in any importable module (`[env] name = "pkg.module:MyEnv"`).
+`MessageEnv` plays one rollout as a chat: `init` returns the opening messages, `step` takes
+the assistant's text and returns the env's reply. An `Environment` makes the samples those
+envs are played on (`train_sample`, `validation_samples`), the envs themselves
+(`make_env`), the `Rubric` that turns a finished `Rollout` into its reward (`rubric`), and,
+optionally, gold conversations for the supervised warm start (`demonstration`). Its own
+settings are a dataclass named by `config_class`, filled from the `[env.args]` table.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from torchtitan_rl.types import Message, Rollout
 
@@ -23,13 +25,18 @@ class EnvConfig:
     """The `[env]` section: which environment and the limits of one rollout."""
 
     name: str = "alphabet_sort"
-    """Environment name, a key of `torchtitan_rl.envs.ENVS`."""
+    """A built-in environment (a key of `torchtitan_rl.envs.ENVS`) or the import path of an
+    `Environment` subclass, "package.module:ClassName" (importable from the working
+    directory or PYTHONPATH)."""
     max_turns: int = 1
     """Assistant turns per rollout, >= 1."""
     max_rollout_tokens: int = 512
     """Token budget of one rollout: the first prompt plus every completion and env reply, >= 1."""
     step_timeout_s: float = 30.0
     """Seconds one `MessageEnv.init` or `step` call may take before the rollout errors, > 0."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """The environment's own settings (TOML table [env.args], overrides --env.args.key=v),
+    checked against its `config_class`; unset keys keep that dataclass's defaults."""
 
     def validate(self) -> None:
         if self.max_turns < 1:
@@ -99,17 +106,33 @@ class Environment(ABC):
     """Builds the data, per-rollout envs and rubric of one environment.
 
     Samples are plain dicts (they travel inside `Rollout.sample`); training and
-    validation samples never coincide.
+    validation samples never coincide. The warm start asks for `train_sample` at negative
+    indices (-1, -2, ...), so its samples are not the RL steps' samples.
     """
 
-    def __init__(self, config: EnvConfig, seed: int):
+    config_class: ClassVar[type | None] = None
+    """Dataclass of this environment's settings ([env.args]); None: it takes none. A
+    `validate()` method on it, when present, runs before the environment is built."""
+
+    def __init__(self, config: EnvConfig, seed: int, args: Any = None):
+        """`args`: an instance of `config_class` (None: its defaults)."""
         config.validate()
         self.config = config
         self.seed = seed
+        if args is None and self.config_class is not None:
+            args = self.config_class()
+        if self.config_class is not None and not isinstance(args, self.config_class):
+            raise ValueError(
+                f"{type(self).__name__} takes env.args as a {self.config_class.__name__}, "
+                f"got {type(args).__name__}"
+            )
+        if hasattr(args, "validate"):
+            args.validate()
+        self.args = args
 
     @abstractmethod
     def train_sample(self, index: int) -> dict[str, Any]:
-        """Training sample `index`; the same for the same (seed, index)."""
+        """Training sample `index` (any integer); the same for the same (seed, index)."""
 
     @abstractmethod
     def validation_samples(self, n: int) -> list[dict[str, Any]]:
@@ -121,8 +144,15 @@ class Environment(ABC):
 
     @abstractmethod
     def rubric(self) -> Rubric:
-        """How a finished rollout is scored."""
+        """How a finished rollout is scored. It scores every rollout that did not error,
+        truncated ones included (their last `step` may never have run), and its score is
+        the reward: `StepResult.reward_signals` are only what the rubric may read."""
 
-    @abstractmethod
     def demonstration(self, sample: dict[str, Any]) -> list[Message]:
-        """A gold conversation (every turn, correct assistant answers) for supervised warm start."""
+        """A gold conversation (every turn, correct assistant answers) for the supervised
+        warm start. Optional: without it, run with `warm_start.steps = 0`."""
+        raise NotImplementedError(f"{type(self).__name__} has no demonstrations")
+
+    @classmethod
+    def has_demonstrations(cls) -> bool:
+        return cls.demonstration is not Environment.demonstration

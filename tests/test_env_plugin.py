@@ -1,0 +1,119 @@
+"""An environment outside the package, exactly as the README writes it, plugged in by import
+path: config errors name it, and it trains two RL steps through Monarch."""
+
+import asyncio
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtitan_rl.config import ConfigError, load_config, to_toml
+from torchtitan_rl.controller import Controller
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_block(first_line: str, language: str) -> str:
+    """The README's fenced block of `language` whose first line is `first_line`."""
+    blocks = re.findall(rf"```{language}\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    matches = [b for b in blocks if b.startswith(first_line)]
+    assert len(matches) == 1, f"README: {len(matches)} {language} blocks start {first_line!r}"
+    return matches[0]
+
+
+@pytest.fixture
+def arith_module(tmp_path, monkeypatch):
+    """The README's my_envs/arith.py, written into a folder outside the package."""
+    folder = tmp_path / "user_code"
+    (folder / "my_envs").mkdir(parents=True)
+    (folder / "my_envs" / "arith.py").write_text(readme_block("# my_envs/arith.py", "python"))
+    monkeypatch.syspath_prepend(str(folder))
+    yield
+    for name in [m for m in sys.modules if m.startswith("my_envs")]:
+        del sys.modules[name]
+
+
+def _config(tmp_path, *extra):
+    toml = tmp_path / "job.toml"
+    base = (ROOT / "train_configs" / "alphabet_sort_tiny.toml").read_text()
+    readme_env = readme_block("[env]", "toml")
+    # the README's [env] table replaces the tiny config's [env] and [env.args] tables
+    base = re.sub(r"\[env\].*?(?=\n\[loss\])", readme_env, base, flags=re.DOTALL)
+    toml.write_text(base)
+    return load_config(toml, [f"--job.output_dir={tmp_path}", "--job.run_name=arith", *extra])
+
+
+def test_the_readme_environment_loads_by_import_path_with_its_args(tmp_path, arith_module):
+    config = _config(tmp_path)
+    args = config.env_args()
+    assert type(args).__name__ == "ArithConfig" and args.max_operand == 20
+    assert "[env.args]\nmax_operand = 20" in to_toml(config)
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("--env.args.max_operands=3", "unknown key env.args.max_operands"),
+        ("--env.args.max_operand=big", "env.args.max_operand: expected int"),
+        ("--env.name=my_envs.arith:Nope", "no Environment subclass 'Nope'"),
+        ("--env.name=my_envs.nothing:Arith", "cannot import 'my_envs.nothing'"),
+    ],
+)
+def test_env_mistakes_are_one_line_errors_naming_the_environment(
+    tmp_path, arith_module, override, needle
+):
+    with pytest.raises(ConfigError, match=re.escape(needle)) as info:
+        _config(tmp_path, override)
+    assert "\n" not in str(info.value)
+
+
+def test_an_environment_without_demonstrations_needs_warm_start_steps_0(tmp_path, arith_module):
+    from my_envs.arith import Arith
+
+    del Arith.demonstration  # the user did not write one
+    try:
+        with pytest.raises(ConfigError, match="warm_start.steps=200 needs demonstrations"):
+            _config(tmp_path)
+        assert _config(tmp_path, "--warm_start.steps=0").warm_start.steps == 0
+    finally:
+        sys.modules.pop("my_envs.arith")
+
+
+@pytest.mark.slow
+def test_the_readme_environment_trains_two_rl_steps_through_monarch(tmp_path, arith_module):
+    config = _config(
+        tmp_path,
+        "--training.steps=2",
+        "--warm_start.steps=2",
+        "--warm_start.batch_size=4",
+        "--rollout.group_size=4",
+        "--rollout.prompts_per_step=2",
+        "--rollout.max_tokens=8",
+        "--rollout.filter_zero_std_groups=false",
+        "--loss.entropy_coef=0.01",
+        "--validation.interval=1",
+        "--validation.num_samples=4",
+        "--validation.max_tokens=8",
+        "--checkpoint.interval=0",
+    )
+
+    async def run():
+        controller = Controller(config, use_tqdm=False)
+        try:
+            await controller.start()
+            await controller.warm_start()
+            steps = [await controller.rl_step(step) for step in (1, 2)]
+            await controller.validate(2)
+            return steps, controller.last_validation
+        finally:
+            await controller.close()
+
+    steps, validation = asyncio.run(run())
+    assert [m["trainer/policy_version"] for m in steps] == [3, 4]
+    # every rollout played and scored (a barely trained model rarely stops within 8 tokens,
+    # so most are truncated; none errored)
+    assert all(
+        m["rollout/num_rollouts"] == 8 and m["rollout/num_error_rollouts"] == 0 for m in steps
+    )
+    assert 0.0 <= validation <= 1.0
