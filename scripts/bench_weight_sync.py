@@ -49,7 +49,7 @@ from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.training.trainer_config import TrainingConfig
-from torchtitan_rl.weight_transport import WeightSync, WeightTransport, choose_transport
+from torchtitan_rl.weight_sync.transport import WeightSync, WeightTransport, choose_transport
 
 QWEN3_VOCAB = 151936
 
@@ -109,18 +109,19 @@ async def run(args, device: str) -> dict:
         trainer = trainer_procs.spawn(
             "trainer",
             TrainerActor,
-            model,
-            TrainingConfig(dtype=args.dtype),
-            LossConfig(),
-            CorrectionConfig(),
-            args.vocab,
-            device,
-            0,
+            model=model,
+            training=TrainingConfig(dtype=args.dtype),
+            loss=LossConfig(),
+            correction=CorrectionConfig(),
+            vocab_size=args.vocab,
+            device=device,
+            seed=0,
         )
         engine = EngineConfig(dtype=args.dtype, max_num_seqs=4, max_seq_len=256, cuda_graphs=False)
         generator = generator_procs.spawn(
-            "generator", GeneratorActor, model, engine, args.vocab, device
-        )
+            "generator", GeneratorActor, model=model, engine=engine, vocab_size=args.vocab,
+            device=device,
+        )  # fmt: skip
         transport = await choose_transport(trainer, [generator])
         out = await trainer.publish_weights.call(args.dtype)
         packed = [p for p in out.values() if p is not None][0]

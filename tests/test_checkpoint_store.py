@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from torchtitan_rl.checkpoint_state import MARKER, CheckpointStore, ControllerState
+from torchtitan_rl.controller.checkpoints import MARKER, CheckpointStore, ControllerState
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ KILLED_SAVE = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    from torchtitan_rl.checkpoint_state import CheckpointStore, ControllerState
+    from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
 
     store = CheckpointStore(Path(sys.argv[1]), keep_latest=2)
     tmp = store.begin(4)

@@ -9,10 +9,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from torchtitan_rl.config import load_config
-from torchtitan_rl.controller import Controller
+from torchtitan_rl.controller.loop import Controller
 from torchtitan_rl.rollout.batcher import BatcherConfig, pack_batch
-from torchtitan_rl.training.weight_sync import unpack_weights
 from torchtitan_rl.types import Episode, SamplingParams
+from torchtitan_rl.weight_sync.packing import unpack_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED_TAGS = [

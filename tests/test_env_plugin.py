@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan_rl.config import ConfigError, load_config, to_toml
-from torchtitan_rl.controller import Controller
+from torchtitan_rl.controller.loop import Controller
 
 ROOT = Path(__file__).resolve().parents[1]
 

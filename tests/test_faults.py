@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_rl.checkpoint_state import CheckpointStore
-from torchtitan_rl.controller import Controller
-from torchtitan_rl.supervision import ActorFailure, Supervisor, describe_failure
+from torchtitan_rl.controller.checkpoints import CheckpointStore
+from torchtitan_rl.controller.loop import Controller
+from torchtitan_rl.controller.supervision import ActorFailure, Supervisor, describe_failure
 
 KILLED = (
     "The actor <root>.<torchtitan_rl.actors.generator.GeneratorActor generator{'procs': 0/1}> "
@@ -88,7 +88,7 @@ def test_killed_generator_ends_the_run_with_a_clear_error(tmp_path):
         store = CheckpointStore(controller.run_dir, keep_latest=2)
         while store.latest() is None:
             await asyncio.sleep(0.2)
-        pid = await controller.generator.pid.call_one()
+        pid = await controller.generators[0].pid.call_one()
         os.kill(pid, signal.SIGKILL)
         return time.perf_counter()
 

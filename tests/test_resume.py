@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 from fakes import FakeEnvironment, FakeRenderer, ScriptedEnv, ScriptedGenerate, done
 
-from torchtitan_rl.checkpoint_state import CheckpointStore, ControllerState
 from torchtitan_rl.config import load_config
-from torchtitan_rl.controller import Controller
+from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
+from torchtitan_rl.controller.loop import Controller
+from torchtitan_rl.controller.summary import SUMMARY_TAGS
 from torchtitan_rl.envs.base import EnvConfig
 from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
-from torchtitan_rl.summary import SUMMARY_TAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPARED = (

@@ -12,8 +12,8 @@ from torchtitan_rl.rollout.batcher import BatcherConfig, pack_batch
 from torchtitan_rl.training.parallelize import apply_compile
 from torchtitan_rl.training.trainer import TrainerCore
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
-from torchtitan_rl.training.weight_sync import pack_weights, unpack_weights
 from torchtitan_rl.types import Episode
+from torchtitan_rl.weight_sync.packing import pack_weights, unpack_weights
 
 VOCAB = 96
 

@@ -19,10 +19,10 @@ from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models import qwen3
 from torchtitan_rl.models.qwen3 import ModelConfig, build_model
-from torchtitan_rl.training import weight_sync
 from torchtitan_rl.training.trainer import TrainerCore
 from torchtitan_rl.training.trainer_config import TrainingConfig
-from torchtitan_rl.training.weight_sync import (
+from torchtitan_rl.weight_sync import packing
+from torchtitan_rl.weight_sync.packing import (
     SharedWeights,
     gather_into,
     make_layout,
@@ -30,7 +30,7 @@ from torchtitan_rl.training.weight_sync import (
     sharded_state,
     unpack_weights,
 )
-from torchtitan_rl.weight_transport import WeightSync, WeightTransport, choose_transport
+from torchtitan_rl.weight_sync.transport import WeightSync, WeightTransport, choose_transport
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 96
@@ -162,7 +162,7 @@ def test_one_rank_packs_without_gathers_and_equals_the_gather_path(
         m.setattr(DTensor, "full_tensor", counted_full_tensor)
         gather_into(state, fast_P)
         assert gathered == [], "one rank: nothing to gather"
-        m.setattr(weight_sync, "_is_whole", lambda t: not isinstance(t, DTensor))
+        m.setattr(packing, "_is_whole", lambda t: not isinstance(t, DTensor))
         loop_P = torch.full((numel,), float("nan"), dtype=dtype)
         gather_into(state, loop_P)
     assert len(gathered) == len(state) - tied, "the gather path gathers each tensor once"
@@ -329,7 +329,7 @@ def test_every_replica_gets_the_weights_and_its_own_handle(transport):
 
 
 async def _ipc_scenario(config):
-    from torchtitan_rl.controller import Controller
+    from torchtitan_rl.controller.loop import Controller
 
     controller = Controller(config, use_tqdm=False)
     try:

@@ -14,7 +14,7 @@ from typing import Any
 
 import tomli
 
-from torchtitan_rl.controller_config import (
+from torchtitan_rl.controller.config import (
     CheckpointConfig,
     JobConfig,
     ParallelismConfig,

@@ -25,8 +25,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(message)s")
     try:
         from torchtitan_rl.config import load_config, to_toml
-        from torchtitan_rl.controller import Controller
-        from torchtitan_rl.summary import print_summary
+        from torchtitan_rl.controller.loop import Controller
+        from torchtitan_rl.controller.summary import print_summary
     except Exception as e:  # e.g. a user environment module that does not import
         return _fail(e, debug, 1, prefix="importing torchtitan_rl failed: ")
     try:
@@ -72,7 +72,7 @@ def one_line(error: BaseException) -> str:
         from monarch.actor import ActorError
 
         from torchtitan_rl.config import ConfigError
-        from torchtitan_rl.supervision import ActorFailure
+        from torchtitan_rl.controller.supervision import ActorFailure
     except Exception:  # the import itself is what failed
         ActorError = ConfigError = ActorFailure = ()  # noqa: N806
     if isinstance(error, ActorError):

@@ -8,17 +8,17 @@ import numpy as np
 import torch
 from monarch.actor import Actor, concurrent_endpoint
 
+from torchtitan_rl.device import pick_device
 from torchtitan_rl.generation.engine import Engine, EngineConfig
 from torchtitan_rl.models.qwen3 import ModelConfig, build_model
-from torchtitan_rl.training.parallelize import pick_device
-from torchtitan_rl.training.weight_sync import (
+from torchtitan_rl.types import Completion, FinishReason, SamplingParams
+from torchtitan_rl.weight_sync.packing import (
     PackedWeights,
     SharedReader,
     SharedWeights,
     unpack_weights,
     visible_cuda_uuids,
 )
-from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 
 
 class GeneratorActor(Actor):
@@ -26,6 +26,7 @@ class GeneratorActor(Actor):
 
     def __init__(
         self,
+        *,
         model: ModelConfig,
         engine: EngineConfig,
         vocab_size: int,

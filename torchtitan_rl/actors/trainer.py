@@ -7,15 +7,16 @@ import os
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
+from torchtitan_rl.device import DTYPES, init_process_group, pick_device
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models.hf_export import export_hf
 from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.training.checkpoint import load_trainer_state, save_trainer_state
-from torchtitan_rl.training.parallelize import init_process_group, pick_device
-from torchtitan_rl.training.trainer import DTYPES, TrainerCore
+from torchtitan_rl.training.trainer import TrainerCore
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
-from torchtitan_rl.training.weight_sync import (
+from torchtitan_rl.types import Microbatch
+from torchtitan_rl.weight_sync.packing import (
     PackedWeights,
     SharedBuffer,
     SharedWeights,
@@ -25,7 +26,6 @@ from torchtitan_rl.training.weight_sync import (
     pack_weights,
     sharded_state,
 )
-from torchtitan_rl.types import Microbatch
 
 
 class TrainerActor(Actor):
@@ -33,6 +33,7 @@ class TrainerActor(Actor):
 
     def __init__(
         self,
+        *,
         model: ModelConfig,
         training: TrainingConfig,
         loss: LossConfig,

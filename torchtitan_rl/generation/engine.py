@@ -10,8 +10,7 @@ decisions (`Action`s):
 
 and sleeps on an event while there is nothing to do. Forwards are synchronous inside the
 task, so nothing else on the loop (a weight update, a new request, `close`) can interleave
-with one. Under generator tensor parallelism this engine runs on rank 0, which decides and
-broadcasts every action; the other ranks execute them in lockstep (`tp.run_follower`).
+with one.
 
 Each request samples with its own generator seeded from `SamplingParams.seed`, so its
 tokens do not depend on what else is in the batch or when it was admitted.
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 from torchtitan.models.qwen3 import Qwen3Model
 
+from torchtitan_rl.device import DTYPES
 from torchtitan_rl.generation.block_manager import BlockManager
 from torchtitan_rl.generation.cuda_graphs import DecodeGraphs
 from torchtitan_rl.generation.model_runner import DECODE_ATTENTION, ModelRunner, SeqInput
@@ -37,7 +37,6 @@ from torchtitan_rl.generation.sampling import sample_tokens
 from torchtitan_rl.generation.scheduler import Request, Scheduler
 from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WEIGHT_SYNC_MODES = ("hot_swap", "drain")
 
 
@@ -135,38 +134,22 @@ class ActionKind(StrEnum):
     ADMIT = "admit"
     STEP = "step"
     PULL_WEIGHTS = "pull_weights"
-    CLOSE = "close"
 
 
 @dataclass(kw_only=True, slots=True)
 class Action:
-    """One loop decision; rank 0 broadcasts it under TP. STEP carries the forward's inputs,
-    PULL_WEIGHTS the version to apply; ADMIT only changes rank 0's bookkeeping."""
+    """One loop decision. STEP carries the forward's inputs, PULL_WEIGHTS the version to
+    apply; ADMIT only changes the scheduler's bookkeeping."""
 
     kind: ActionKind
     batch: list[SeqInput] | None = None
     version: int | None = None
 
 
-def build_runner(model, config: EngineConfig, device, tp=None) -> ModelRunner:
-    """The model runner an engine rank uses; TP followers build theirs the same way."""
-    return ModelRunner(
-        model,
-        num_blocks=config.total_blocks(),
-        block_size=config.block_size,
-        max_seq_len=config.max_seq_len,
-        device=device,
-        dtype=DTYPES[config.dtype],
-        tp=tp,
-        decode_attention=config.decode_attention,
-    )
-
-
 class Engine:
     """Continuous-batching generation on one device (see the module docstring).
 
-    Call every method from the event loop thread the engine runs on. `tp` (from
-    `tp.TensorParallel`) shards the model over its group; this engine is its rank 0.
+    Call every method from the event loop thread the engine runs on.
     """
 
     def __init__(
@@ -174,14 +157,19 @@ class Engine:
         model: Qwen3Model,
         config: EngineConfig,
         device: torch.device | str = "cpu",
-        tp=None,
     ) -> None:
         config.validate()
         self.config = config
-        self._tp = tp
-        self._runner = build_runner(model, config, device, tp)
-        # Under TP the step holds collectives; the followers run eagerly, so rank 0 does too.
-        if config.cuda_graphs and self._runner.device.type == "cuda" and tp is None:
+        self._runner = ModelRunner(
+            model,
+            num_blocks=config.total_blocks(),
+            block_size=config.block_size,
+            max_seq_len=config.max_seq_len,
+            device=device,
+            dtype=DTYPES[config.dtype],
+            decode_attention=config.decode_attention,
+        )
+        if config.cuda_graphs and self._runner.device.type == "cuda":
             self._runner.decode_graphs = DecodeGraphs(self._runner, max_batch=config.max_num_seqs)
         blocks = BlockManager(
             config.total_blocks(),
@@ -260,7 +248,7 @@ class Engine:
 
     async def close(self) -> None:
         """Fails every outstanding request with RuntimeError("engine closed"), stops the
-        loop (and, under TP, the follower ranks)."""
+        loop."""
         if self._closed:
             return
         self._closed = True
@@ -268,8 +256,6 @@ class Engine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if self._tp is not None:
-            self._tp.publish(Action(kind=ActionKind.CLOSE))
 
     def _request_error(self, prompt_ids: np.ndarray, sampling: SamplingParams) -> str | None:
         prompt = np.asarray(prompt_ids)
@@ -321,8 +307,6 @@ class Engine:
             self._execute(Action(kind=ActionKind.STEP, batch=self._sched.prepare_step()))
 
     def _execute(self, action: Action) -> None:
-        if self._tp is not None:
-            self._tp.publish(action)
         if action.kind == ActionKind.PULL_WEIGHTS:
             self._pull_weights()
         elif action.kind == ActionKind.ADMIT:

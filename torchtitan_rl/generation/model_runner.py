@@ -13,8 +13,6 @@ Two paths over the same cache:
   padded `[B, T]` layout;
 - decode (one new token per sequence): static shapes and no host syncs, so it can be
   captured in a CUDA graph per batch bucket (`cuda_graphs.py`).
-Under tensor parallelism (`tp.py`) the runner shards the model and adds an all-reduce
-after the attention output and feed-forward projections.
 
 Shape legend: B = sequences in this forward, T = new tokens per sequence (padded),
 M = new tokens of all sequences (packed), N = blocks per block table, S = gathered cache
@@ -69,22 +67,18 @@ class ModelRunner:
         max_seq_len: int,
         device: torch.device | str,
         dtype: torch.dtype,
-        tp=None,
         decode_attention: str = "auto",
     ) -> None:
         args = model.model_args
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
         self.device = torch.device(device)
-        if tp is not None:
-            tp.shard_model(model)
         self.model = model.to(device=self.device, dtype=dtype)
         self.dtype = dtype
         self.max_seq_len = max_seq_len
         self.vocab_size = args.vocab_size
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_seq_len // block_size)
-        self._tp = tp
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(
                 f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}"
@@ -144,12 +138,9 @@ class ModelRunner:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copies every weight in place (torchtitan names, e.g. `layers.0.attention.wq.weight`).
 
-        Under TP the state holds full tensors; each rank keeps its shard.
         The state must cover every parameter (a tied parameter under either name); tensors
         must be plain (call `full_tensor()` on DTensors first) and may be any dtype/device.
         """
-        if self._tp is not None:
-            state = self._tp.shard_state(state)
         unknown = sorted(set(state) - set(self._params))
         if unknown:
             raise ValueError(f"state has unknown parameter names: {unknown[:5]}")
@@ -225,8 +216,8 @@ class ModelRunner:
                     block_size=self.block_size,
                     scale=attn.scaling,
                 )
-            h_BE = h_BE + self._reduce(attn.wo(out_BHqD.flatten(1)))
-            h_BE = h_BE + self._reduce(self._ffn(layer, h_BE))
+            h_BE = h_BE + attn.wo(out_BHqD.flatten(1))
+            h_BE = h_BE + self._ffn(layer, h_BE)
         return self.model.output(self.model.norm(h_BE)).float()
 
     def _forward_padded(self, batch: list[SeqInput]) -> torch.Tensor:
@@ -264,8 +255,8 @@ class ModelRunner:
                 scale=attn.scaling,
             )
             out_ME = out_BHTD.transpose(1, 2)[valid_BT].flatten(1)
-            h_ME = h_ME + self._reduce(attn.wo(out_ME))
-            h_ME = h_ME + self._reduce(self._ffn(layer, h_ME))
+            h_ME = h_ME + attn.wo(out_ME)
+            h_ME = h_ME + self._ffn(layer, h_ME)
         h_BE = h_ME[len_B.cumsum(0) - 1]
         return self.model.output(self.model.norm(h_BE)).float()
 
@@ -300,11 +291,6 @@ class ModelRunner:
     def _ffn(self, layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
         ffn = layer.moe if layer.moe_enabled else layer.feed_forward
         return ffn(layer.ffn_norm(h))
-
-    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self._tp is not None:
-            self._tp.all_reduce(x)
-        return x
 
 
 def _decode_attention(

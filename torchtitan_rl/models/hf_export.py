@@ -22,9 +22,9 @@ import torch
 from torchtitan.models.qwen3 import Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
+from torchtitan_rl.device import DTYPES
 from torchtitan_rl.models.tokenizer import SHIPPED_TOKENIZER_PATH, Tokenizer
 
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_SHARD_BYTES = 5 * 2**30
 """Safetensors shard size, as transformers writes them by default."""
 TOKENIZER_FILES = (
@@ -84,10 +84,8 @@ def export_hf(
     `hf_checkpoint` is the folder the run started from ("" for the built-in tokenizer): its
     config.json and tokenizer files are carried over so the export loads like the original.
     """
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(
-            f"checkpoint.export_dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}"
-        )
+    if dtype not in DTYPES:
+        raise ValueError(f"checkpoint.export_dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     if tmp.exists():
@@ -95,7 +93,7 @@ def export_hf(
     tmp.mkdir(parents=True)
     hf_state = Qwen3StateDictAdapter(args, None).to_hf(state)
     _write_safetensors(
-        {k: v.detach().to("cpu", EXPORT_DTYPES[dtype]).contiguous() for k, v in hf_state.items()},
+        {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in hf_state.items()},
         tmp,
     )
     _write_config_and_tokenizer(args, tmp, hf_checkpoint, dtype)

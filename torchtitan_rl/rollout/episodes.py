@@ -17,9 +17,12 @@ token is dropped (nothing to train on).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from torchtitan_rl.envs.base import Environment
+from torchtitan_rl.models.renderer import Renderer
 from torchtitan_rl.types import Completion, Episode, Rollout
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -118,3 +121,33 @@ def _concat_support(
         base += int(offsets[-1] - offsets[0])
     assert base <= _INT32_MAX, "support CSR too large for int32 offsets"
     return np.concatenate(ids_parts), np.concatenate(offset_parts).astype(np.int32)
+
+
+def count_branches(rollout: Rollout) -> int:
+    """len(rollout_to_episodes(rollout)), without building the episodes."""
+    branches, running_L = 0, None
+    for turn in rollout.turns:
+        if running_L is None or not _starts_with(turn.prompt_ids, running_L):
+            branches += 1
+        running_L = np.concatenate([turn.prompt_ids, turn.completion.token_ids_N])
+    return branches
+
+
+def demonstration_episodes(
+    environment: Environment, renderer: Renderer, samples: list[dict[str, Any]]
+) -> list[Episode]:
+    """One episode per sample: the whole gold conversation, loss on assistant tokens."""
+    episodes = []
+    for i, sample in enumerate(samples):
+        ids_L, mask_L = renderer.render_demonstration(environment.demonstration(sample))
+        zeros = np.zeros(len(ids_L), np.float32)
+        episodes.append(
+            Episode(
+                token_ids_L=ids_L.astype(np.int32),
+                loss_mask_L=mask_L.astype(bool),
+                logprobs_L=zeros,
+                advantages_L=zeros,
+                rollout_id=i,
+            )
+        )
+    return episodes

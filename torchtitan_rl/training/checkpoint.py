@@ -4,7 +4,7 @@ own shards into one folder, so saving never gathers the model on one process.
     <folder>/.metadata          written by rank 0 once every rank's shards are in
     <folder>/__<rank>_0.distcp  each rank's shards of model, optimizer, scheduler, counters
 
-The folder is one piece of a checkpoint; `checkpoint_state.CheckpointStore` makes the whole
+The folder is one piece of a checkpoint; `controller.checkpoints.CheckpointStore` makes the whole
 checkpoint atomic (temp folder, completion marker, rename).
 """
 

@@ -3,7 +3,6 @@ and GPU (NCCL)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -15,27 +14,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchtitan_rl.models.qwen3 import PolicyModel
-
-
-def pick_device(kind: str, cpu_threads: int = 0) -> torch.device:
-    """The device for this process: its local GPU under "cuda"/"auto" when present, else CPU
-    (then torch uses `cpu_threads` threads in this process, when given)."""
-    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
-        if cpu_threads:
-            torch.set_num_threads(cpu_threads)
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("parallelism.device: 'cuda' asked for, but no CUDA device is visible")
-    local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-    torch.cuda.set_device(local)
-    return torch.device("cuda", local)
-
-
-def init_process_group(device: torch.device) -> tuple[int, int]:
-    """Join the trainer's process group (env set by Monarch's elastic setup); (rank, world)."""
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size()
 
 
 def apply_fsdp(model: PolicyModel, device: torch.device, param_dtype: torch.dtype) -> None:

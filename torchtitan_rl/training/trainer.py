@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from torchtitan_rl.device import DTYPES
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.objective import microbatch_objective
 from torchtitan_rl.losses.policy_loss import LossConfig
@@ -40,8 +41,6 @@ from torchtitan_rl.training.parallelize import (
 from torchtitan_rl.training.reference import ReferencePolicy
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
 from torchtitan_rl.types import Microbatch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class TrainerCore:

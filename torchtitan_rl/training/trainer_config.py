@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtitan_rl.device import DTYPE_NAMES
+
 
 @dataclass(kw_only=True, slots=True)
 class TrainingConfig:
@@ -40,8 +42,8 @@ class TrainingConfig:
             raise ValueError(f"training.minibatches must be >= 1, got {self.minibatches}")
         if self.lr <= 0:
             raise ValueError(f"training.lr must be > 0, got {self.lr}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"training.dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"training.dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"training.compile must be true or false, got {self.compile!r}")
 

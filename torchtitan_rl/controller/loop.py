@@ -1,7 +1,7 @@
 """The step loop: spawn trainer and generator meshes, then rollout -> train -> sync, in order.
 
 No tensor math here; every number comes from the actors or the rollout records. A run whose
-folder holds a complete checkpoint continues from it (see `checkpoint_state`); a process
+folder holds a complete checkpoint continues from it (see `checkpoints`); a process
 that dies ends the run with one `ActorFailure` line (see `supervision`).
 """
 
@@ -17,26 +17,24 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from torchtitan_rl.actors.generator import GeneratorActor
 from torchtitan_rl.actors.trainer import TrainerActor
-from torchtitan_rl.checkpoint_state import CheckpointStore, ControllerState
 from torchtitan_rl.config import Config, to_toml
-from torchtitan_rl.controller_config import check_lengths
+from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
+from torchtitan_rl.controller.config import check_lengths
+from torchtitan_rl.controller.metrics import MetricsLogger, rollout_metrics, validation_metrics
+from torchtitan_rl.controller.summary import SUMMARY_TAGS
+from torchtitan_rl.controller.supervision import SupervisionError, Supervisor
 from torchtitan_rl.envs import build_environment
-from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.renderer import Renderer
 from torchtitan_rl.models.tokenizer import Tokenizer
 from torchtitan_rl.reductions import merge, results
 from torchtitan_rl.rollout.advantages import compute_advantages
 from torchtitan_rl.rollout.batcher import pack_batch
-from torchtitan_rl.rollout.episodes import rollout_to_episodes
+from torchtitan_rl.rollout.episodes import demonstration_episodes, rollout_to_episodes
 from torchtitan_rl.rollout.records import write_step_records
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.router import Router
-from torchtitan_rl.step_metrics import rollout_metrics, validation_metrics
-from torchtitan_rl.summary import SUMMARY_TAGS
-from torchtitan_rl.supervision import SupervisionError, Supervisor
-from torchtitan_rl.types import Episode, RolloutGroup, SamplingParams
-from torchtitan_rl.warm_start import demonstration_episodes
-from torchtitan_rl.weight_transport import WeightSync
+from torchtitan_rl.types import Episode, GenerateFn, RolloutGroup, SamplingParams
+from torchtitan_rl.weight_sync.transport import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +75,6 @@ class Controller:
             self.environment, self.renderer, config.env, config.rollout, config.job.seed
         )
         self.use_tqdm = use_tqdm
-        self.meshes = []
         self.next_sample = 0
         self.last_validation = float("nan")
         self.store = CheckpointStore(self.run_dir, config.checkpoint.keep_latest)
@@ -85,6 +82,17 @@ class Controller:
         self.supervisor = Supervisor(("trainer", "generator", *replica_names))
         self.start_step = 0
         """The RL step the run continues after (0 for a fresh run, N after step_N)."""
+        # What `start` builds: None (or empty) until then, so `close` works at any point.
+        self.metrics: MetricsLogger | None = None
+        self.meshes: list = []
+        self.trainer: TrainerActor | None = None
+        """The trainer mesh's actors (endpoints are called on every rank)."""
+        self.generators: list[GeneratorActor] = []
+        """One actor per generator replica; `generators[0]` is named "generator"."""
+        self.router: Router | None = None
+        """Session-affine routing over the replicas (None with one replica)."""
+        self.generate_fn: GenerateFn | None = None
+        self.weight_sync: WeightSync | None = None
 
     # ---- processes --------------------------------------------------------------------
     async def start(self) -> None:
@@ -110,32 +118,32 @@ class Controller:
         self.meshes = [trainer_procs, *generator_meshes]
         await setup_torch_elastic_env_async(trainer_procs)
         vocab = self.tokenizer.vocab_size
+        threads = cfg.parallelism.threads(generator_procs=replicas)
         self.trainer = trainer_procs.spawn(
             "trainer",
             TrainerActor,
-            cfg.model,
-            cfg.training,
-            cfg.loss,
-            cfg.correction,
-            vocab,
-            cfg.parallelism.device,
-            cfg.job.seed,
-            cfg.parallelism.threads(),
-            cfg.parallelism.tp,
+            model=cfg.model,
+            training=cfg.training,
+            loss=cfg.loss,
+            correction=cfg.correction,
+            vocab_size=vocab,
+            device=cfg.parallelism.device,
+            seed=cfg.job.seed,
+            cpu_threads=threads,
+            tp=cfg.parallelism.tp,
         )
         self.generators = [
             mesh.spawn(
                 f"generator{i}" if i else "generator",
                 GeneratorActor,
-                cfg.model,
-                cfg.generator,
-                vocab,
-                cfg.parallelism.device,
-                cfg.parallelism.threads(),
+                model=cfg.model,
+                engine=cfg.generator,
+                vocab_size=vocab,
+                device=cfg.parallelism.device,
+                cpu_threads=threads,
             )
             for i, mesh in enumerate(generator_meshes)
         ]
-        self.generator = self.generators[0]
         fns = [ActorGenerateFn(g) for g in self.generators]
         self.router = Router(fns) if replicas > 1 else None
         self.generate_fn = self.router or fns[0]
@@ -180,13 +188,13 @@ class Controller:
         )
 
     async def sync_weights(self) -> float:
-        """Every generator gets the trainer's current weights (see weight_transport.py);
+        """Every generator gets the trainer's current weights (see weight_sync/transport.py);
         returns the seconds it took."""
         return await self.weight_sync()
 
     async def close(self) -> None:
         """Stop the actors and meshes (bounded waits: an actor may be dead or stuck)."""
-        for generator in getattr(self, "generators", []):
+        for generator in self.generators:
             try:
                 await asyncio.wait_for(generator.close.call_one(), timeout=10)
             except Exception as e:
@@ -200,7 +208,7 @@ class Controller:
 
         await asyncio.gather(*(stop(mesh) for mesh in self.meshes))
         self.supervisor.uninstall()  # after the stops: a dying mesh still reports to it
-        if hasattr(self, "metrics"):
+        if self.metrics is not None:
             self.metrics.close()
 
     # ---- stages -----------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torchtitan_rl.metrics import first_last_mean
+from torchtitan_rl.controller.metrics import first_last_mean
 
 SUMMARY_TAGS = ("rollout_reward/mean", "validation_reward/mean", "perf/step_seconds")
 """The series the summary reads; checkpoints carry them so a resumed run's summary covers

@@ -10,7 +10,7 @@ E [V, D] and a norm N [D]:
               ("output.weight", (V, D), 0)]          # flat_P.numel() == V*D + D
 and `unpack_weights` returns two views of the same memory.
 
-Two ways to hand the buffer to a generator (torchtitan_rl/weight_transport.py picks one):
+Two ways to hand the buffer to a generator (weight_sync/transport.py picks one):
 - `PackedWeights`: the buffer itself, on CPU; it travels through the controller (any hosts).
 - `SharedWeights`: trainer rank 0 keeps the buffer on its GPU (`SharedBuffer`) and sends
   CUDA IPC handles, a few KB; a generator on the same host opens the buffer once

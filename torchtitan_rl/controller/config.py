@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtitan_rl.device import DTYPE_NAMES
+
 
 @dataclass(kw_only=True, slots=True)
 class JobConfig:
@@ -32,20 +34,20 @@ class ParallelismConfig:
     """Trainer tensor-parallel degree, >= 1, dividing trainer_procs (and the model's query
     and key/value head counts, and batcher.seq_len). Consecutive ranks form a TP group
     that shares one batch slice; the LM head is vocab-parallel (losses/logprobs.py)."""
-    generator_procs: int = 1
-    """Generator processes (one engine each; only 1 is supported for now)."""
     device: str = "auto"
     """"auto" (CUDA when present, else CPU), "cpu" or "cuda"."""
     cpu_threads_per_proc: int = 0
     """torch threads in each trainer/generator process on CPU; 0 = cores / processes.
     Oversubscribed cores made tiny-model steps ~10x slower on a 2-core machine."""
 
-    def threads(self) -> int:
+    def threads(self, generator_procs: int) -> int:
+        """torch threads per process on CPU: the set value, or the cores split over the
+        trainer processes and the `generator_procs` generator processes."""
         import os
 
         if self.cpu_threads_per_proc:
             return self.cpu_threads_per_proc
-        return max(1, (os.cpu_count() or 1) // (self.trainer_procs + self.generator_procs))
+        return max(1, (os.cpu_count() or 1) // (self.trainer_procs + generator_procs))
 
     @property
     def dp(self) -> int:
@@ -59,10 +61,6 @@ class ParallelismConfig:
             raise ValueError(
                 f"parallelism.tp must be >= 1 and divide trainer_procs={self.trainer_procs}, "
                 f"got {self.tp}"
-            )
-        if self.generator_procs != 1:
-            raise ValueError(
-                f"parallelism.generator_procs: only 1 is supported, got {self.generator_procs}"
             )
         if self.cpu_threads_per_proc < 0:
             raise ValueError(
@@ -113,9 +111,9 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.interval must be >= 0, got {self.interval}")
         if self.keep_latest < 1:
             raise ValueError(f"checkpoint.keep_latest must be >= 1, got {self.keep_latest}")
-        if self.export_dtype not in ("float32", "bfloat16"):
+        if self.export_dtype not in DTYPE_NAMES:
             raise ValueError(
-                f"checkpoint.export_dtype must be float32 or bfloat16, got {self.export_dtype!r}"
+                f"checkpoint.export_dtype must be one of {DTYPE_NAMES}, got {self.export_dtype!r}"
             )
 
 

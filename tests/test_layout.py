@@ -1,0 +1,60 @@
+"""The package's shape: an import graph without cycles, and a core that names no environment."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "torchtitan_rl"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """{module: torchtitan_rl modules it imports at module level or in functions}."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                # `from pkg import submodule` imports the submodule, not (only) pkg's names
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                targets = [t for t in subs if t in modules] or [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            found |= {t for t in targets if t in modules and t != name}
+        graph[name] = found
+    return graph
+
+
+def test_the_import_graph_has_no_cycles():
+    graph = _imports()
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for dep in graph[node]:
+            if state.get(dep) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*stack, node, dep]))
+            if dep not in state:
+                visit(dep, [*stack, node])
+        state[node] = 2
+
+    for node in graph:
+        if node not in state:
+            visit(node, [])
+
+
+def test_no_module_outside_envs_imports_an_environment():
+    """The core reaches environments only through `envs` (its registry and base classes)."""
+    seam = {"torchtitan_rl.envs", "torchtitan_rl.envs.base"}
+    offenders = {
+        module: sorted(d for d in deps if d.startswith("torchtitan_rl.envs") and d not in seam)
+        for module, deps in _imports().items()
+        if not module.startswith("torchtitan_rl.envs")
+    }
+    assert {m: d for m, d in offenders.items() if d} == {}

@@ -1,0 +1,33 @@
+"""Devices, process groups and the one dtype table of the package."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""Every dtype a config key may name (training.dtype, generator.dtype, exports, syncs)."""
+DTYPE_NAMES = tuple(DTYPES)
+
+
+def pick_device(kind: str, cpu_threads: int = 0) -> torch.device:
+    """The device for this process: its local GPU under "cuda"/"auto" when present, else CPU
+    (then torch uses `cpu_threads` threads in this process, when given)."""
+    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+        if cpu_threads:
+            torch.set_num_threads(cpu_threads)
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("parallelism.device: 'cuda' asked for, but no CUDA device is visible")
+    local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def init_process_group(device: torch.device) -> tuple[int, int]:
+    """Join the trainer's process group (env set by Monarch's elastic setup); (rank, world)."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
