@@ -115,9 +115,8 @@ def _seeded_generate():  # the "sample" is a function of the request seed, as in
 def _steps(rollouter, steps, next_sample):
     out = []
     for step in steps:
-        groups, next_sample, metrics = asyncio.run(
-            rollouter.collect_batch(step, next_sample, _seeded_generate())
-        )
+        batch = asyncio.run(rollouter.collect_batch(step, next_sample, _seeded_generate()))
+        groups, next_sample, metrics = batch.groups, batch.next_index, batch.metrics
         texts = [[r.turns[0].assistant_text for r in g.rollouts] for g in groups]
         samples = [g.rollouts[0].sample["index"] for g in groups]
         out.append((samples, texts, metrics["rollout/num_sampling_rounds"]))

@@ -88,7 +88,8 @@ def test_env_that_raises_is_error_env_and_collect_batch_returns_the_others():
         return ScriptedEnv([done()])
 
     rollouter = make_rollouter(make_env, by_rollout_id, prompts_per_step=3)
-    groups, next_index, metrics = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
+    batch = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
+    groups, next_index, metrics = batch.groups, batch.next_index, batch.metrics
     assert [g.rollouts[0].sample["index"] for g in groups] == [0, 2, 3]
     assert next_index == 4  # 3 prompts, then 1 more to refill the all-error group
     assert metrics["rollout/status/error_env"] == 4 / metrics["rollout/num_rollouts"]
@@ -144,7 +145,8 @@ def test_zero_spread_groups_are_filtered_and_refilled():
         return 1.0 if rollout.sample["index"] % 2 else float(rollout.rollout_id)
 
     rollouter = make_rollouter(lambda s: ScriptedEnv([done()]), reward, prompts_per_step=3)
-    groups, next_index, metrics = asyncio.run(rollouter.collect_batch(2, 10, always("ok")))
+    batch = asyncio.run(rollouter.collect_batch(2, 10, always("ok")))
+    groups, next_index, metrics = batch.groups, batch.next_index, batch.metrics
     assert [g.rollouts[0].sample["index"] for g in groups] == [10, 12, 14]
     assert next_index == 15
     assert metrics["rollout/num_groups_filtered"] == 2
@@ -157,17 +159,21 @@ def test_collect_batch_warns_and_returns_what_it_has_after_max_rounds(caplog):
         lambda s: ScriptedEnv([done()]), lambda r: 1.0, prompts_per_step=2, max_sampling_rounds=1
     )
     with caplog.at_level(logging.WARNING):
-        groups, next_index, metrics = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
+        batch = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
+        groups, next_index, metrics = batch.groups, batch.next_index, batch.metrics
     assert groups == [] and next_index == 4
     assert metrics["rollout/num_sampling_rounds"] == 2
     assert "only 0 of 2 groups" in caplog.text
+    assert "after 1 refill rounds (rollout.max_sampling_rounds=1)" in caplog.text
+    assert len(batch.filtered) == 4  # two rounds of two groups, none with spread
 
 
 def test_unfiltered_collect_batch_keeps_zero_spread_groups():
     rollouter = make_rollouter(
         lambda s: ScriptedEnv([done()]), lambda r: 1.0, filter_zero_std_groups=False
     )
-    groups, next_index, _ = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
+    batch = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
+    groups, next_index, _ = batch.groups, batch.next_index, batch.metrics
     assert len(groups) == 2 and next_index == 2
 
 

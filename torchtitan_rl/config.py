@@ -69,6 +69,11 @@ class Config:
             check_objective(self.loss, self.correction)
         except ValueError as e:
             raise ConfigError(str(e)) from e
+        if self.rollout.group_size < 2 and self.training.steps > 0:
+            raise ConfigError(
+                "rollout.group_size=1: a group-relative advantage is 0 for every rollout, so "
+                "no RL step would train anything; use rollout.group_size >= 2"
+            )
         self.env_args()  # the environment exists and its settings are valid
         if self.warm_start.steps > 0 and not self.environment_class().has_demonstrations():
             raise ConfigError(

@@ -131,6 +131,9 @@ class Rollout:
     turns: list[RolloutTurn] = field(default_factory=list)
     status: RolloutStatus = RolloutStatus.COMPLETED
     error: str | None = None
+    """One line: why the rollout errored (its status says how)."""
+    error_details: str | None = None
+    """The traceback, when user code (env, reward function) raised."""
     reward: float = 0.0
     reward_breakdown: dict[str, float] = field(default_factory=dict)
     advantage: float = 0.0

@@ -12,6 +12,7 @@ import logging
 import time
 from pathlib import Path
 
+import tomli
 from monarch.actor import this_host
 from monarch.spmd import setup_torch_elastic_env_async
 
@@ -20,6 +21,7 @@ from torchtitan_rl.actors.trainer import TrainerActor
 from torchtitan_rl.config import Config, to_toml
 from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
 from torchtitan_rl.controller.config import check_lengths
+from torchtitan_rl.controller.diagnostics import StepDiagnostics
 from torchtitan_rl.controller.metrics import MetricsLogger, rollout_metrics, validation_metrics
 from torchtitan_rl.controller.summary import SUMMARY_TAGS
 from torchtitan_rl.controller.supervision import SupervisionError, Supervisor
@@ -37,6 +39,27 @@ from torchtitan_rl.types import Episode, GenerateFn, RolloutGroup, SamplingParam
 from torchtitan_rl.weight_sync.transport import WeightSync
 
 logger = logging.getLogger(__name__)
+
+PURGE_ALL = -(10**9)
+"""A TensorBoard purge step below any step a run logs (the warm start logs at steps <= 0)."""
+RESUME_FROZEN = ("model.",)
+"""Config keys a resume cannot change: the checkpoint's weights have that model's shape."""
+
+
+def config_changes(saved: dict, config: Config) -> list[str]:
+    """ "section.key: old -> new" for every key whose value differs from the saved TOML."""
+    current = tomli.loads(to_toml(config))
+    changes = []
+    for section, values in current.items():
+        for key, value in values.items():
+            old = saved.get(section, {}).get(key)
+            if isinstance(value, dict):  # [env.args]
+                for sub, v in value.items():
+                    if (old or {}).get(sub) != v:
+                        changes.append(f"{section}.{key}.{sub}: {(old or {}).get(sub)!r} -> {v!r}")
+            elif old != value:
+                changes.append(f"{section}.{key}: {old!r} -> {value!r}")
+    return changes
 
 
 class ActorGenerateFn:
@@ -71,6 +94,8 @@ class Controller:
         self.tokenizer = Tokenizer.from_file(config.model.hf_checkpoint or None)
         self.renderer = Renderer(self.tokenizer)
         self.environment = build_environment(config.env, config.job.seed, config.env_args())
+        if config.warm_start.steps:
+            self._check_demonstrations_fit()
         self.rollouter = Rollouter(
             self.environment, self.renderer, config.env, config.rollout, config.job.seed
         )
@@ -80,6 +105,7 @@ class Controller:
         self.store = CheckpointStore(self.run_dir, config.checkpoint.keep_latest)
         replica_names = [f"generator{i}" for i in range(1, config.generator.num_replicas)]
         self.supervisor = Supervisor(("trainer", "generator", *replica_names))
+        self.diagnostics = StepDiagnostics(self.run_dir, config.env, config.rollout.max_tokens)
         self.start_step = 0
         """The RL step the run continues after (0 for a fresh run, N after step_N)."""
         # What `start` builds: None (or empty) until then, so `close` works at any point.
@@ -94,21 +120,71 @@ class Controller:
         self.generate_fn: GenerateFn | None = None
         self.weight_sync: WeightSync | None = None
 
+    def _check_demonstrations_fit(self) -> None:
+        """Before any process starts: a warm start whose demonstrations never fit a row
+        would train on nothing (ValueError naming batcher.seq_len)."""
+        cfg = self.config
+        samples = [self.environment.train_sample(-1 - i) for i in range(cfg.warm_start.batch_size)]
+        lengths = [len(e) for e in demonstration_episodes(self.environment, self.renderer, samples)]
+        limit = cfg.batcher.seq_len + 1
+        if not any(n <= limit for n in lengths):
+            raise ValueError(
+                f"batcher.seq_len={cfg.batcher.seq_len} fits episodes of up to {limit} tokens, "
+                f"but no warm-start demonstration does ({min(lengths)} to {max(lengths)} tokens "
+                f"in the first batch); raise batcher.seq_len or set warm_start.steps = 0"
+            )
+
     # ---- processes --------------------------------------------------------------------
+    def last_step(self) -> int:
+        """The RL step this run ends after (training.steps, or training.stop_after)."""
+        steps = self.config.training.steps
+        return (
+            min(steps, self.config.training.stop_after)
+            if self.config.training.stop_after
+            else steps
+        )
+
+    def completed_step(self) -> int:
+        """The RL step of the latest complete checkpoint (0 without one); reads only."""
+        latest = self.store.latest()
+        return CheckpointStore.load_state(latest).step if latest else 0
+
+    def check_resume(self) -> list[str]:
+        """Before anything is written or spawned: how this config differs from the latest
+        checkpoint's (lines "key: old -> new"); ValueError for a change that cannot work."""
+        latest = self.store.latest()
+        if latest is None:
+            return []
+        changes = config_changes(tomli.loads((latest / "config.toml").read_text()), self.config)
+        frozen = [c for c in changes if c.split(":")[0].startswith(RESUME_FROZEN)]
+        if frozen:
+            raise ValueError(
+                f"cannot resume {latest} with a changed {frozen[0]}: the checkpoint holds "
+                f"another model; use a new job.run_name"
+            )
+        return changes
+
     async def start(self) -> None:
         """Spawn the meshes, restore the latest complete checkpoint if there is one, and give
-        the generator the trainer's weights."""
+        the generator the trainer's weights. Says whether it starts fresh or resumes."""
         cfg = self.config
+        changes = self.check_resume()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(to_toml(cfg))
         self.store.clean_temp()
         latest = self.store.latest()
         state = CheckpointStore.load_state(latest) if latest else None
         self.start_step = state.step if state else 0
-        # TensorBoard hides events at steps > start_step that a killed run logged earlier
+        # TensorBoard hides events a killed run logged at later steps (resume), or any at all
+        # (fresh start over a run that never saved: its curves would appear twice)
         self.metrics = MetricsLogger(
-            self.run_dir, purge_step=self.start_step + 1 if state else None
+            self.run_dir, purge_step=self.start_step + 1 if state else PURGE_ALL
         )
+        if state is None:
+            logger.warning("starting fresh in %s", self.run_dir)
+        else:
+            logger.warning("resuming %s after RL step %d (%s)", self.run_dir, state.step, latest)
+            for change in changes:
+                logger.warning("  changed since that checkpoint: %s", change)
         self.supervisor.install()
         gpu = cfg.parallelism.device == "cuda"
         kind = "gpus" if gpu else "procs"
@@ -153,6 +229,7 @@ class Controller:
         logger.info("weight sync: %s", self.weight_sync.transport)
         if state is not None:
             await self.restore(latest, state)
+        (self.run_dir / "config.toml").write_text(to_toml(cfg))  # after a successful restore
         await self.sync_weights()
 
     # ---- checkpoints ------------------------------------------------------------------
@@ -164,7 +241,6 @@ class Controller:
         state.restore_rngs()
         for tag, series in state.history.items():
             self.metrics.history[tag] = [(int(s), float(v)) for s, v in series]
-        logger.warning("resuming %s after RL step %d (%s)", self.run_dir, state.step, folder)
 
     async def save_checkpoint(self, step: int) -> Path:
         """Trainer ranks write their shards, the controller its JSON; then one rename."""
@@ -258,6 +334,7 @@ class Controller:
                 for i, s in enumerate(samples)
             )
         )
+        self.diagnostics.report(step, [RolloutGroup(group_id=0, rollouts=rollouts)], training=False)
         metrics = validation_metrics(rollouts)
         self.metrics.log(metrics, step)
         self.last_validation = metrics.get("validation_reward/mean", float("nan"))
@@ -266,17 +343,23 @@ class Controller:
     async def rl_step(self, step: int) -> dict[str, float]:
         self.supervisor.where = f"during RL step {step}"
         t0 = time.perf_counter()
-        groups, self.next_sample, rollout_stats = await self.rollouter.collect_batch(
-            step, self.next_sample, self.generate_fn
-        )
+        batch = await self.rollouter.collect_batch(step, self.next_sample, self.generate_fn)
+        groups, self.next_sample, rollout_stats = batch.groups, batch.next_index, batch.metrics
         t_gen = time.perf_counter()
+        self.diagnostics.report(step, [*groups, *batch.filtered])
         if self.router is not None:
             self.router.reset_sessions()  # sessions never span steps
         for group in groups:
             compute_advantages(group, normalize_std=self.config.advantage.normalize_std)
-        write_step_records(self.run_dir / "rollouts", step, groups)
+        write_step_records(self.run_dir / "rollouts", step, groups, filtered=batch.filtered)
         metrics = {**rollout_stats, **rollout_metrics(groups)}
         metrics.update(await self._train(groups, step))
+        self.diagnostics.report_dropped(
+            step,
+            metrics.get("batcher/num_dropped_oversized", 0.0),
+            metrics.get("batcher/num_sequences", 0.0),
+            self.config.batcher.seq_len,
+        )
         t_train = time.perf_counter()
         metrics["perf/sync_seconds"] = await self.sync_weights()
         seconds = time.perf_counter() - t0
@@ -336,9 +419,7 @@ class Controller:
             await self.warm_start()
             if cfg.validation.interval:
                 await self.validate(0)
-        last = cfg.training.steps
-        if cfg.training.stop_after:
-            last = min(last, cfg.training.stop_after)
+        last = self.last_step()
         with _progress(cfg.training.steps, self.use_tqdm, "rl") as bar:
             bar.update(self.start_step)
             for step in range(self.start_step + 1, last + 1):

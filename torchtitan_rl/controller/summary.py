@@ -12,13 +12,15 @@ the whole run."""
 def summary_lines(controller, wall_seconds: float) -> list[str]:
     m = controller.metrics
     reward = m.series("rollout_reward/mean")
-    first, last = first_last_mean(reward)
+    k = max(1, min(5, len(reward) // 2))  # first and last k never overlap
+    first, last = first_last_mean(reward, k)
     val = m.series("validation_reward/mean")
+    ran = len(m.series("perf/step_seconds"))  # a step whose rollouts all errored logs no reward
     lines = [
         "=" * 64,
         f"run      {controller.run_dir}",
-        f"steps    {len(reward)} RL steps, wall time {wall_seconds:.0f} s",
-        f"reward   rollout_reward/mean first 5 steps {first:.3f} -> last 5 steps {last:.3f}",
+        f"steps    {ran} RL steps, wall time {wall_seconds:.0f} s",
+        f"reward   rollout_reward/mean first {k} steps {first:.3f} -> last {k} steps {last:.3f}",
     ]
     if val:
         lines.append(
@@ -31,8 +33,16 @@ def summary_lines(controller, wall_seconds: float) -> list[str]:
     lines += [
         f"logs     tensorboard --logdir {m.tb_dir}",
         f"config   {controller.run_dir / 'config.toml'}",
-        "=" * 64,
     ]
+    for name, what in (
+        ("hf", "policy as a Hugging Face folder"),
+        ("rollouts", "best/worst rollouts per step: python scripts/show_rollouts.py <run>"),
+        ("checkpoints", "rerunning the same command resumes from the latest"),
+        ("errors.log", "tracebacks of rollouts that errored"),
+    ):
+        if (controller.run_dir / name).exists():
+            lines.append(f"{name + '/' if name != 'errors.log' else name:<8} {what}")
+    lines.append("=" * 64)
     return lines
 
 

@@ -12,7 +12,8 @@ One line (one rollout), abridged:
                 "reward_signals": {"turn_score": 0.81}}]}
 
 `pick` is "best" (highest reward), "worst" (an error if the group has one, else the lowest
-reward), or "best+worst" when the group has one distinct rollout to show.
+reward), or "best+worst" when the group has one distinct rollout to show; groups filtered out
+of training (no reward spread) appear only when they hold an error, as "filtered-error".
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ def rollout_record(
     }
 
 
-def write_step_records(folder: Path, step: int, groups: list[RolloutGroup]) -> Path:
+def write_step_records(
+    folder: Path, step: int, groups: list[RolloutGroup], filtered: list[RolloutGroup] = ()
+) -> Path:
     """Write (or overwrite, after a resume) step_<step>.jsonl; returns its path."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step}.jsonl"
@@ -84,6 +87,11 @@ def write_step_records(folder: Path, step: int, groups: list[RolloutGroup]) -> P
         for group in groups:
             for pick, rollout in best_and_worst(group):
                 record = rollout_record(rollout, step=step, pick=pick, group=group)
+                f.write(json.dumps(record, default=str) + "\n")
+        for group in filtered:
+            errored = [r for r in group.rollouts if r.status.is_error()]
+            if errored:
+                record = rollout_record(errored[0], step=step, pick="filtered-error", group=group)
                 f.write(json.dumps(record, default=str) + "\n")
     tmp.replace(path)
     return path

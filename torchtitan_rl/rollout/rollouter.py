@@ -16,6 +16,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import traceback
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1  # seeds fit a signed int64 (torch.Generator.manual_seed)
+
+
+@dataclass(kw_only=True, slots=True)
+class CollectedBatch:
+    """One step's rollouts: `groups` train; `filtered` had no reward spread (or errored)."""
+
+    groups: list[RolloutGroup]
+    next_index: int
+    """The next unused training sample index."""
+    metrics: dict[str, float]
+    filtered: list[RolloutGroup]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -156,11 +168,11 @@ class Rollouter:
         try:
             env = TokenEnv(self._environment.make_env(sample), self._renderer, self._env_config)
         except Exception as e:  # a user env failing is recorded on the rollout, not fatal
-            return _fail(rollout, RolloutStatus.ERROR_ENV, f"{type(e).__name__}: {e}")
+            return _fail(rollout, RolloutStatus.ERROR_ENV, _describe(e), traceback.format_exc())
         try:
             prompt_ids = await env.reset()
         except TokenEnvError as e:
-            return _fail(rollout, e.status, str(e))
+            return _fail(rollout, e.status, str(e), e.details)
 
         status = await self._play_turns(
             rollout, env, prompt_ids, generate_fn, sampling=sampling, step=step
@@ -216,7 +228,7 @@ class Rollouter:
                 )
             if result.done:
                 assert result.status is not None
-                rollout.error = result.error
+                rollout.error, rollout.error_details = result.error, result.error_details
                 return result.status
             assert result.next_prompt_ids is not None
             prompt_ids = result.next_prompt_ids
@@ -226,7 +238,7 @@ class Rollouter:
         try:
             reward, breakdown = self._rubric.score(rollout)
         except Exception as e:  # a failing reward fn marks the rollout, never a silent 0
-            _fail(rollout, RolloutStatus.ERROR_REWARD, f"{type(e).__name__}: {e}")
+            _fail(rollout, RolloutStatus.ERROR_REWARD, _describe(e), traceback.format_exc())
             return
         if not math.isfinite(reward):
             _fail(rollout, RolloutStatus.ERROR_REWARD, f"non-finite reward {reward!r}")
@@ -260,10 +272,11 @@ class Rollouter:
 
     async def collect_batch(
         self, step: int, next_sample_index: int, generate_fn: GenerateFn
-    ) -> tuple[list[RolloutGroup], int, dict[str, float]]:
+    ) -> CollectedBatch:
         """Sample prompts until `prompts_per_step` groups survive filtering.
 
-        Returns (kept groups, the next unused sample index, metrics). After
+        Returns the kept groups, the next unused sample index, metrics and the groups
+        filtered out (errored rollouts among them are reported, not lost). After
         `max_sampling_rounds` refill rounds it warns and returns what it has, which may be
         fewer groups or none at all.
         """
@@ -292,21 +305,30 @@ class Rollouter:
             kept.extend(g for g in groups if not cfg.filter_zero_std_groups or group_has_signal(g))
         if len(kept) < cfg.prompts_per_step:
             logger.warning(
-                "step %d: only %d of %d groups have reward spread after %d sampling rounds; "
-                "training on what there is",
+                "step %d: only %d of %d groups have reward spread after %d refill rounds "
+                "(rollout.max_sampling_rounds=%d); training on what there is",
                 step,
                 len(kept),
                 cfg.prompts_per_step,
-                rounds,
+                rounds - 1,
+                cfg.max_sampling_rounds,
             )
         metrics = _batch_metrics(sampled, kept, rounds)
-        return kept, index, metrics
+        filtered = [g for g in sampled if not any(g is k for k in kept)]
+        return CollectedBatch(groups=kept, next_index=index, metrics=metrics, filtered=filtered)
 
 
-def _fail(rollout: Rollout, status: RolloutStatus, error: str) -> Rollout:
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _fail(
+    rollout: Rollout, status: RolloutStatus, error: str, details: str | None = None
+) -> Rollout:
     assert status.is_error()
     rollout.status = status
     rollout.error = error
+    rollout.error_details = details
     rollout.reward = 0.0
     rollout.reward_breakdown = {}
     return rollout

@@ -24,6 +24,7 @@ Limits (from EnvConfig), checked in this order after each completion:
 from __future__ import annotations
 
 import asyncio
+import traceback
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -42,9 +43,11 @@ _T = TypeVar("_T")
 class TokenEnvError(Exception):
     """The env failed before the first turn (init raised or timed out)."""
 
-    def __init__(self, status: RolloutStatus, message: str) -> None:
+    def __init__(self, status: RolloutStatus, message: str, details: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.details = details
+        """The traceback of the env's exception, when one was raised."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,6 +68,8 @@ class TokenStep:
     """Per-turn signals the env reported."""
     error: str | None = None
     """Human-readable cause when status is an error."""
+    error_details: str | None = None
+    """The traceback behind `error`, when user code raised."""
 
 
 class TokenEnv:
@@ -94,7 +99,9 @@ class TokenEnv:
         except TimeoutError as e:
             raise TokenEnvError(RolloutStatus.ERROR_TIMEOUT, self._timeout_message("init")) from e
         except Exception as e:  # a user env failing is recorded on the rollout, not fatal
-            raise TokenEnvError(RolloutStatus.ERROR_ENV, _describe(e)) from e
+            raise TokenEnvError(
+                RolloutStatus.ERROR_ENV, _describe(e), traceback.format_exc()
+            ) from e
         self._messages = list(first)
         self._prompt_ids = np.asarray(self._renderer.render_prompt(self._messages), np.int32)
         self._num_turns = 0
@@ -128,7 +135,12 @@ class TokenEnv:
                 error=self._timeout_message("step"),
             )
         except Exception as e:  # a user env failing is recorded on the rollout, not fatal
-            return _ended(RolloutStatus.ERROR_ENV, assistant_text=text, error=_describe(e))
+            return _ended(
+                RolloutStatus.ERROR_ENV,
+                assistant_text=text,
+                error=_describe(e),
+                error_details=traceback.format_exc(),
+            )
 
         reply = list(result.messages)
         self._messages.extend(reply)

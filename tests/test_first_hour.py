@@ -1,0 +1,119 @@
+"""What a new user hears: settings that cannot work stop before any process starts, rollout
+errors come with their text and traceback, and degenerate runs get one warning."""
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+from fakes import FakeEnvironment, FakeRenderer, ScriptedEnv, always, done
+
+from torchtitan_rl.config import ConfigError, load_config
+from torchtitan_rl.controller.diagnostics import StepDiagnostics
+from torchtitan_rl.controller.loop import Controller
+from torchtitan_rl.envs.base import EnvConfig
+from torchtitan_rl.rollout.records import read_records, write_step_records
+from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
+from torchtitan_rl.types import Rollout, RolloutGroup, RolloutStatus
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "train_configs" / "alphabet_sort_tiny.toml"
+
+
+def test_group_size_one_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"rollout.group_size=1.*>= 2"):
+        load_config(TINY, ["--rollout.group_size=1"])
+
+
+def test_demonstrations_that_never_fit_a_row_stop_before_any_process(tmp_path):
+    config = load_config(TINY, ["--batcher.seq_len=32", f"--job.output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=r"batcher.seq_len=32 fits episodes of up to 33 tokens"):
+        Controller(config, use_tqdm=False)
+    assert not any(tmp_path.iterdir())  # nothing written, nothing spawned
+
+
+def _raising_reward_rollouts():
+    def reward(rollout):
+        return rollout.turns[0].reward_signals["missing"]  # KeyError on every rollout
+
+    env = FakeEnvironment(lambda s: ScriptedEnv([done()]), reward)
+    rollouter = Rollouter(
+        env, FakeRenderer(), EnvConfig(), RolloutConfig(group_size=2, prompts_per_step=2), seed=0
+    )
+    return asyncio.run(rollouter.collect_batch(1, 0, always("hi")))
+
+
+def test_reward_errors_are_reported_with_their_text_and_traceback(tmp_path, caplog):
+    batch = _raising_reward_rollouts()
+    # no spread: every group filtered, through 1 + max_sampling_rounds (4) rounds of 2 groups
+    assert batch.groups == [] and len(batch.filtered) == 10
+    diagnostics = StepDiagnostics(tmp_path, EnvConfig(), max_tokens=8)
+    with caplog.at_level(logging.WARNING):
+        diagnostics.report(1, batch.filtered)
+    assert "step 1: 20 of 20 rollouts error_reward, first: KeyError: 'missing'" in caplog.text
+    log = (tmp_path / "errors.log").read_text()
+    assert "Traceback" in log and 'reward_signals["missing"]' in log
+
+
+def test_errored_groups_stay_in_the_records(tmp_path):
+    batch = _raising_reward_rollouts()
+    path = write_step_records(tmp_path, 1, batch.groups, filtered=batch.filtered)
+    records = read_records(path)
+    assert len(records) == 10 and {r["pick"] for r in records} == {"filtered-error"}
+    assert records[0]["status"] == "error_reward" and "KeyError" in records[0]["error"]
+
+
+def _rollouts(statuses):
+    return [
+        RolloutGroup(
+            group_id=0,
+            rollouts=[
+                Rollout(group_id=0, rollout_id=i, session_id=str(i), sample={}, status=s)
+                for i, s in enumerate(statuses)
+            ],
+        )
+    ]
+
+
+def test_a_run_mostly_truncated_by_max_turns_warns_once(tmp_path, caplog):
+    diagnostics = StepDiagnostics(tmp_path, EnvConfig(max_turns=1), max_tokens=8)
+    mostly = [RolloutStatus.TRUNCATED_TURNS] * 3 + [RolloutStatus.COMPLETED]
+    with caplog.at_level(logging.WARNING):
+        diagnostics.report(1, _rollouts(mostly))
+        diagnostics.report(2, _rollouts(mostly))
+        diagnostics.report(3, _rollouts([RolloutStatus.TRUNCATED_LENGTH] * 4), training=False)
+    assert caplog.text.count("raise env.max_turns") == 1
+    assert "step 1: 75% of rollouts ended truncated_turns: env.max_turns=1" in caplog.text
+    assert "truncated_length" not in caplog.text  # validation truncates by its own limits
+
+
+def _run_with_checkpoint(tmp_path, step, *overrides):
+    """A run folder holding one complete checkpoint of RL step `step`, saved with the tiny
+    config plus `overrides`."""
+    from torchtitan_rl.config import to_toml
+    from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
+
+    saved = load_config(TINY, [f"--job.output_dir={tmp_path}", *overrides])
+    store = CheckpointStore(tmp_path / saved.job.run_name, keep_latest=2)
+    state = ControllerState.capture(
+        step=step, next_sample=0, last_validation=float("nan"), history={}
+    )
+    store.commit(store.begin(step), step, state, to_toml(saved))
+
+
+def test_resume_lists_what_changed_and_refuses_another_model(tmp_path):
+    _run_with_checkpoint(tmp_path, 3)
+    config = load_config(TINY, [f"--job.output_dir={tmp_path}", "--training.lr=0.0001"])
+    controller = Controller(config, use_tqdm=False)
+    assert controller.completed_step() == 3
+    assert controller.check_resume() == ["training.lr: 0.0003 -> 0.0001"]
+    other = load_config(TINY, [f"--job.output_dir={tmp_path}", "--model.flavor=small"])
+    with pytest.raises(ValueError, match=r"cannot resume .* changed model.flavor: 'tiny' -> "):
+        Controller(other, use_tqdm=False).check_resume()
+    assert not (tmp_path / config.job.run_name / "config.toml").exists()  # nothing rewritten
+
+
+def test_a_finished_run_is_complete_before_anything_starts(tmp_path):
+    _run_with_checkpoint(tmp_path, 500)
+    controller = Controller(load_config(TINY, [f"--job.output_dir={tmp_path}"]), use_tqdm=False)
+    assert controller.completed_step() == controller.last_step() == 500

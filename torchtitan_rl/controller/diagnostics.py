@@ -1,0 +1,96 @@
+"""What a person running the job must hear: rollout errors with their text, and runs that
+train on nothing useful. Everything goes through `logging` (the CLI writes warnings above
+the progress bar), once per error kind per step, or once per run for a degenerate setting.
+
+    step 3: 16 of 16 rollouts error_reward, first: KeyError: 'turn_score'
+            (tracebacks in outputs/run/errors.log)
+    step 5: 92% of rollouts ended truncated_turns: env.max_turns=1 ends rollouts before the
+            environment says done; raise env.max_turns
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+from torchtitan_rl.envs.base import EnvConfig
+from torchtitan_rl.types import Rollout, RolloutGroup, RolloutStatus
+
+logger = logging.getLogger(__name__)
+
+DEGENERATE_SHARE = 0.5
+"""Warn once a step's share of rollouts ending one degenerate way reaches this."""
+
+
+def _truncation_hint(status: RolloutStatus, env: EnvConfig, max_tokens: int) -> str:
+    if status is RolloutStatus.TRUNCATED_TURNS:
+        return (
+            f"env.max_turns={env.max_turns} ends rollouts before the environment says done; "
+            "raise env.max_turns"
+        )
+    if status is RolloutStatus.TRUNCATED_LENGTH:
+        return (
+            f"completions hit rollout.max_tokens={max_tokens} (or env.max_rollout_tokens="
+            f"{env.max_rollout_tokens}) before a stop token; raise them"
+        )
+    return (
+        f"the next prompt would not fit env.max_rollout_tokens={env.max_rollout_tokens}; raise it"
+    )
+
+
+class StepDiagnostics:
+    def __init__(self, run_dir: Path, env: EnvConfig, max_tokens: int):
+        self.errors_log = run_dir / "errors.log"
+        self.env = env
+        self.max_tokens = max_tokens
+        self._warned: set[RolloutStatus] = set()
+
+    def report(self, step: int, groups: list[RolloutGroup], *, training: bool = True) -> None:
+        """Every rollout sampled in `step`, trained on or filtered out; `training=False`
+        (validation) reports errors only: greedy validation truncates by its own limits."""
+        rollouts = [r for g in groups for r in g.rollouts]
+        if not rollouts:
+            return
+        counts = Counter(r.status for r in rollouts)
+        first: dict[RolloutStatus, Rollout] = {}
+        for rollout in rollouts:
+            first.setdefault(rollout.status, rollout)
+        errored = [r for r in rollouts if r.status.is_error()]
+        if errored:
+            self._log_tracebacks(step, errored)
+        for status, rollout in first.items():
+            share = counts[status] / len(rollouts)
+            if status.is_error():
+                where = f" (tracebacks in {self.errors_log})" if rollout.error_details else ""
+                logger.warning(
+                    "step %d: %d of %d rollouts %s, first: %s%s",
+                    step, counts[status], len(rollouts), status.value, rollout.error, where,
+                )  # fmt: skip
+            elif training and status.is_truncated() and share >= DEGENERATE_SHARE:
+                if status not in self._warned:
+                    self._warned.add(status)
+                    logger.warning(
+                        "step %d: %.0f%% of rollouts ended %s: %s",
+                        step, 100 * share, status.value,
+                        _truncation_hint(status, self.env, self.max_tokens),
+                    )  # fmt: skip
+
+    def report_dropped(self, step: int, dropped: float, kept: float, seq_len: int) -> None:
+        """Episodes the batcher dropped for not fitting a row (once per run)."""
+        total = dropped + kept
+        if total and dropped / total >= DEGENERATE_SHARE and "dropped" not in self._warned:
+            self._warned.add("dropped")
+            logger.warning(
+                "step %d: %.0f%% of episodes are longer than batcher.seq_len + 1 = %d tokens "
+                "and were dropped from training; raise batcher.seq_len",
+                step, 100 * dropped / total, seq_len + 1,
+            )  # fmt: skip
+
+    def _log_tracebacks(self, step: int, errored: list[Rollout]) -> None:
+        with self.errors_log.open("a") as f:
+            for r in errored:
+                f.write(
+                    f"step {step} group {r.group_id} rollout {r.rollout_id} {r.status.value}: "
+                    f"{r.error}\n{r.error_details or ''}\n"
+                )
