@@ -82,3 +82,49 @@ def test_transformers_loads_the_export_with_the_same_logprobs(tmp_path):
     np.testing.assert_allclose(ours_N.numpy(), hf_logprobs_N.numpy(), atol=1e-5, rtol=0)
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
     assert tok.decode(tok.encode("Sort these names")) == "Sort these names"
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You sort names."},
+    {"role": "user", "content": "Sort these names by last name.\nMary Young\nPaul Adams"},
+    {"role": "assistant", "content": "<alphabetical_sorted>\nPaul Adams\n</alphabetical_sorted>"},
+    {"role": "user", "content": "New names:\nLaura Hill  // spaces, digits 12 3"},
+]
+
+
+def _exported_template(tmp_path):
+    model, _ = _trained_tiny()
+    folder = export_hf(model.state_dict(), model.model_args, tmp_path / "hf")
+    return folder, json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def test_exported_chat_template_renders_the_renderer_token_ids(tmp_path):
+    """The exported template, rendered by Jinja as transformers does and tokenized by the
+    exported tokenizer.json, gives exactly the renderer's prompt ids."""
+    import jinja2
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from torchtitan_rl.models.renderer import Renderer
+
+    folder, template = _exported_template(tmp_path)
+    text = (
+        jinja2.Environment()
+        .from_string(template)
+        .render(messages=CONVERSATION, add_generation_prompt=True)
+    )
+    ids = HFTokenizer.from_file(str(folder / "tokenizer.json")).encode(
+        text, add_special_tokens=False
+    )
+    want = Renderer(Tokenizer.from_file(None)).render_prompt(CONVERSATION).tolist()
+    assert ids.ids == want
+
+
+def test_transformers_apply_chat_template_matches_the_renderer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from torchtitan_rl.models.renderer import Renderer
+
+    folder, _ = _exported_template(tmp_path)
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ids = tok.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)
+    want = Renderer(Tokenizer.from_file(None)).render_prompt(CONVERSATION).tolist()
+    assert list(ids) == want

@@ -23,6 +23,7 @@ from torchtitan.models.qwen3 import Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from torchtitan_rl.device import DTYPES
+from torchtitan_rl.models.renderer import CHAT_TEMPLATE
 from torchtitan_rl.models.tokenizer import SHIPPED_TOKENIZER_PATH, Tokenizer
 
 MAX_SHARD_BYTES = 5 * 2**30
@@ -122,6 +123,7 @@ def _write_config_and_tokenizer(args, tmp: Path, hf_checkpoint: str, dtype: str)
             "eos_token": "<|im_end|>",
             "pad_token": "<|endoftext|>",
             "model_max_length": args.max_seq_len,
+            "chat_template": CHAT_TEMPLATE,
         }
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
         generation = {"eos_token_id": [tokenizer.im_end_id, tokenizer.eos_id]}

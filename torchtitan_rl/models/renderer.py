@@ -22,6 +22,17 @@ from torchtitan_rl.models.tokenizer import Tokenizer
 from torchtitan_rl.types import Message
 
 
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""The same format as a Hugging Face chat template (Jinja), written into exported folders:
+`apply_chat_template(messages, add_generation_prompt=True, tokenize=True)` gives exactly
+`render_prompt(messages)` (tests/test_hf_export.py)."""
+
+
 class Renderer:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
