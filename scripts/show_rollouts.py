@@ -8,6 +8,7 @@ python scripts/show_rollouts.py outputs/alphabet_sort_tiny/rollouts/step_12.json
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import textwrap
@@ -56,7 +57,7 @@ def format_record(r: dict) -> str:
     head = (
         f"step {r['step']}  group {r['group_id']}  rollout {r['rollout_id']}  ({r['pick']})  "
         f"status {r['status']}  reward {r['reward']:.3f}  advantage {r['advantage']:+.3f}  "
-        f"policy {versions}"
+        f"weights {versions} (optimizer updates so far, warm start included)"
     )
     lines = ["=" * WIDTH, head, f"  group rewards [{rewards}]"]
     if r["reward_breakdown"]:
@@ -64,14 +65,16 @@ def format_record(r: dict) -> str:
         lines.append(f"  breakdown {parts}")
     if r["error"]:
         lines.append(f"  error: {r['error']}")
+    turns = iter(r["turns"])
     for m in r["messages"]:
         lines += _block(m["role"], m["content"])
-    for t in r["turns"]:
-        signals = ", ".join(f"{k} {v:.3f}" for k, v in t["reward_signals"].items())
-        lines.append(
-            f"  turn {t['turn']}: {t['num_tokens']} tokens, finish {t['finish_reason']}"
-            + (f", {signals}" if signals else "")
-        )
+        turn = next(turns, None) if m["role"] == "assistant" else None
+        if turn is not None:  # each turn's numbers right under its assistant message
+            signals = ", ".join(f"{k} {v:.3f}" for k, v in turn["reward_signals"].items())
+            lines.append(
+                f"  -> turn {turn['turn']}: {turn['num_tokens']} tokens, "
+                f"finish {turn['finish_reason']}" + (f", {signals}" if signals else "")
+            )
     return "\n".join(lines)
 
 
@@ -99,4 +102,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except BrokenPipeError:  # piped into `head`: stop quietly, as other CLI tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)

@@ -76,3 +76,15 @@ def test_show_rollouts_prints_the_latest_step(tmp_path, capsys):
     assert "step_4.jsonl: 3 rollouts" in out
     assert "status error_env" in out and "error: ValueError: boom" in out
     assert "[assistant]" in out and "Ann Lee" in out
+    # each turn's numbers sit right under its assistant message
+    assert out.index("[assistant]") < out.index("-> turn 0:")
+
+
+def test_show_rollouts_piped_into_head_exits_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    write_step_records(tmp_path / "rollouts", 4, _groups() * 50)
+    cmd = f"'{sys.executable}' '{ROOT / 'scripts' / 'show_rollouts.py'}' '{tmp_path}' | head -2"
+    result = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in result.stderr and len(result.stdout.splitlines()) == 2
