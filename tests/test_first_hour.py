@@ -117,3 +117,21 @@ def test_a_finished_run_is_complete_before_anything_starts(tmp_path):
     _run_with_checkpoint(tmp_path, 500)
     controller = Controller(load_config(TINY, [f"--job.output_dir={tmp_path}"]), use_tqdm=False)
     assert controller.completed_step() == controller.last_step() == 500
+
+
+def test_tensorboard_opens_a_dashboard_of_the_main_curves(tmp_path):
+    from tensorboard.backend.event_processing import event_file_loader
+
+    from torchtitan_rl.controller.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path)
+    logger.log({"rollout_reward/mean": 0.5}, 1)
+    logger.close()
+    tags = {
+        value.tag: value.metadata.plugin_data.plugin_name
+        for path in (tmp_path / "tb").iterdir()
+        for event in event_file_loader.EventFileLoader(str(path)).Load()
+        for value in event.summary.value
+    }
+    assert tags["custom_scalars__config__"] == "custom_scalars"
+    assert "rollout_reward/mean" in tags

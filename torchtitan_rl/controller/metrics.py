@@ -22,15 +22,50 @@ def summarize(prefix: str, values: Iterable[float]) -> dict[str, float]:
     return {f"{prefix}/mean": arr.mean(), f"{prefix}/std": arr.std(), f"{prefix}/max": arr.max()}
 
 
+DASHBOARD = {
+    "learning": {
+        "reward": ["Multiline", ["rollout_reward/mean", "validation_reward/mean"]],
+        "loss": ["Multiline", ["loss/mean", "loss/policy"]],
+        "kl and entropy": ["Multiline", ["loss/kl", "loss/entropy"]],
+        "grad norm": ["Multiline", ["trainer/grad_norm"]],
+    },
+    "off-policy": {
+        "generator vs trainer log-prob": [
+            "Multiline",
+            ["trainer/logprob_diff/mean", "trainer/logprob_diff/max"],
+        ],
+        "ratios": [
+            "Multiline",
+            ["loss/ratio_mean", "correction/ratio_min", "correction/ratio_max"],
+        ],
+        "clipped / corrected": [
+            "Multiline",
+            ["loss/clip_frac", "correction/truncated_frac", "correction/masked_frac"],
+        ],
+    },
+    "rollouts": {
+        "status": ["Multiline", ["rollout/status/.*"]],
+        "tokens and turns": ["Multiline", ["rollout/output_tokens/mean", "rollout/num_turns/mean"]],
+        "seconds per step": [
+            "Multiline",
+            ["perf/step_seconds", "perf/generate_seconds", "perf/train_seconds"],
+        ],
+    },
+}
+"""TensorBoard's Custom Scalars tab: the curves a person looks at first (the tag names stay
+the interface; the scalars tab still lists all of them)."""
+
+
 class MetricsLogger:
     """Writes scalars under <run_dir>/tb/ and remembers them per tag for the final summary."""
 
     def __init__(self, run_dir: Path, purge_step: int | None = None):
-        """`purge_step`: on resume, hide events a killed run logged at steps >= it."""
+        """`purge_step`: hide events an earlier run in this folder logged at steps >= it."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb_dir = run_dir / "tb"
         self.writer = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge_step)
+        self.writer.add_custom_scalars(DASHBOARD)
         self.history: dict[str, list[tuple[int, float]]] = {}
 
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -21,7 +21,6 @@ import numpy as np
 from torchtitan_rl.models.tokenizer import Tokenizer
 from torchtitan_rl.types import Message
 
-
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
