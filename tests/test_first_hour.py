@@ -135,3 +135,14 @@ def test_tensorboard_opens_a_dashboard_of_the_main_curves(tmp_path):
     }
     assert tags["custom_scalars__config__"] == "custom_scalars"
     assert "rollout_reward/mean" in tags
+
+
+def test_an_interrupt_says_whether_the_same_command_resumes(tmp_path):
+    from torchtitan_rl.train import _resume_hint
+
+    config = load_config(TINY, [f"--job.output_dir={tmp_path}"])
+    assert "no checkpoint yet (checkpoint.interval=100)" in _resume_hint(
+        Controller(config, use_tqdm=False)
+    )
+    _run_with_checkpoint(tmp_path, 3)
+    assert "resumes after RL step 3" in _resume_hint(Controller(config, use_tqdm=False))

@@ -5,6 +5,8 @@
 A mistake the user can make (config, missing file, lengths, an env that fails to import, a
 process that dies) ends with one `error: ...` line and a non-zero exit code; `--debug`
 shows the traceback instead. Exit codes: 2 config, 1 run failure, 130 interrupted.
+`--help` lists every key with its default and docstring; `--print-config` prints the
+resolved config and exits.
 """
 
 from __future__ import annotations
@@ -15,38 +17,81 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
-DEFAULT_CONFIG = "train_configs/alphabet_sort_tiny.toml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "train_configs" / "alphabet_sort_tiny.toml"
+"""The repository's default job, found wherever the command runs from."""
+FLAGS = ("--debug", "--help", "-h", "--print-config")
 
 
 def main(argv: list[str]) -> int:
-    debug = "--debug" in argv
-    argv = [a for a in argv if a != "--debug"]
-    logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(message)s")
+    flags = {a for a in argv if a in FLAGS}
+    argv = [a for a in argv if a not in FLAGS]
+    debug = "--debug" in flags
+    _setup_logging(debug)
     try:
-        from torchtitan_rl.config import load_config, to_toml
+        from torchtitan_rl.config import Config, help_text, load_config, to_toml
         from torchtitan_rl.controller.loop import Controller
         from torchtitan_rl.controller.summary import print_summary
     except Exception as e:  # e.g. a user environment module that does not import
         return _fail(e, debug, 1, prefix="importing torchtitan_rl failed: ")
+    config_file = os.environ.get("CONFIG_FILE") or DEFAULT_CONFIG
+    if flags & {"--help", "-h"}:
+        try:
+            config = load_config(config_file, argv)
+        except ValueError:  # help still answers: the defaults
+            config = Config()
+        print(help_text(config))
+        return 0
     try:
-        config = load_config(os.environ.get("CONFIG_FILE", DEFAULT_CONFIG), argv)
+        config = load_config(config_file, argv)
+        if "--print-config" in flags:
+            print(to_toml(config))
+            return 0
         controller = Controller(config)
+        done = controller.completed_step()
+        if done >= controller.last_step():
+            print(f"already complete: {controller.run_dir} holds the checkpoint of RL step {done}")
+            return 0
+        controller.check_resume()
     except ValueError as e:  # ConfigError, or a cross-section / file check of the controller
         return _fail(e, debug, 2)
     except Exception as e:  # e.g. a user environment failing to build
         return _fail(e, debug, 1)
-    print(to_toml(config))
+    print(f"config   {controller.run_dir / 'config.toml'} (--print-config shows it)")
     t0 = time.perf_counter()
     try:
         asyncio.run(_run(controller))
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(f"interrupted: {_resume_hint(controller)}", file=sys.stderr)
         return 130
     except Exception as e:
         return _fail(e, debug, 1)
     print_summary(controller, time.perf_counter() - t0)
     return 0
+
+
+def _resume_hint(controller) -> str:
+    step = controller.completed_step()
+    if step:
+        return f"the same command resumes after RL step {step} (the latest checkpoint)"
+    every = controller.config.checkpoint.interval
+    return f"no checkpoint yet (checkpoint.interval={every}), so the same command starts over"
+
+
+class _AboveProgressBars(logging.Handler):
+    """Log lines written through tqdm, so they land above a progress bar, not glued to it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def _setup_logging(debug: bool) -> None:
+    handler = _AboveProgressBars()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.basicConfig(level=logging.INFO if debug else logging.WARNING, handlers=[handler])
 
 
 async def _run(controller) -> None:
