@@ -89,9 +89,14 @@ class _AboveProgressBars(logging.Handler):
 
 
 def _setup_logging(debug: bool) -> None:
+    """The package's log lines through tqdm, on a logger of its own: Monarch reconfigures the
+    root logger when it spawns processes, and its lines would be glued to the bar."""
     handler = _AboveProgressBars()
     handler.setFormatter(logging.Formatter("%(message)s"))
-    logging.basicConfig(level=logging.INFO if debug else logging.WARNING, handlers=[handler])
+    package = logging.getLogger("torchtitan_rl")
+    package.handlers[:] = [handler]
+    package.propagate = False
+    package.setLevel(logging.INFO if debug else logging.WARNING)
 
 
 async def _run(controller) -> None:
