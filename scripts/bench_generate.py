@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -436,7 +437,9 @@ def main() -> None:
         torch.cuda.empty_cache() if device.type == "cuda" else None
         save()
         print(f"{key}: {results[key]}", flush=True)
-    if not args.skip_hf:
+    if not args.skip_hf and importlib.util.find_spec("transformers") is None:
+        print("HF transformers generate: skipped (transformers is not installed)", flush=True)
+    elif not args.skip_hf:
         del model
         torch.cuda.empty_cache() if device.type == "cuda" else None
         results["hf"] = run_hf(state, model_args, args, prompts, device, dtype)

@@ -13,6 +13,7 @@ Two parts:
 
     python scripts/bench_old_logprobs.py                  # runs, the 0.6B GPU config
     python scripts/bench_old_logprobs.py --direct         # the in-process timing
+    python scripts/bench_old_logprobs.py --smoke          # --direct, tiny model on CPU
     python scripts/bench_old_logprobs.py --config train_configs/alphabet_sort_tiny.toml \
         --steps 6 --warm-start 20 --json out.json
 """
@@ -77,12 +78,16 @@ def direct(args) -> dict[str, float]:
     from torchtitan_rl.types import Episode
 
     cfg = load_config(args.config, args.override)
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    cuda = torch.cuda.is_available() and not args.smoke
+    if cuda:
+        torch.cuda.set_device(0)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    device = torch.device("cuda" if cuda else "cpu")
     vocab = Tokenizer.from_file(cfg.model.hf_checkpoint or None).vocab_size
     core = TrainerCore(
         model_config=cfg.model, training=cfg.training, loss=cfg.loss,
-        correction=cfg.correction, vocab_size=vocab, device=torch.device("cuda"), seed=0,
+        correction=cfg.correction, vocab_size=vocab, device=device, seed=0,
     )  # fmt: skip
     rng = np.random.default_rng(0)
     length = cfg.batcher.seq_len // args.docs_per_row + 1
@@ -101,13 +106,18 @@ def direct(args) -> dict[str, float]:
         )
     batch = pack_batch(episodes, config=cfg.batcher, num_ranks=1, pad_id=0)[0][0]
     times: dict[str, list[float]] = {m: [] for m in MODES}
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     for rep in range(args.repeats + 2):  # two warm-up rounds: compile, autotune
         for mode in MODES:
             core.loss_config.old_logprobs = mode
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             out = core.train_step([batch], cfg.rollout.temperature)
-            torch.cuda.synchronize()
+            sync()
             if rep >= 2:
                 times[mode].append(time.perf_counter() - t0)
                 if mode == "recompute":
@@ -142,10 +152,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--override", action="append", default=[], help="--section.key=value")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--direct", action="store_true", help="time train_step in-process")
+    parser.add_argument("--smoke", action="store_true", help="--direct, tiny model on CPU")
     parser.add_argument("--rows", type=int, default=8, help="--direct: packed rows")
     parser.add_argument("--docs-per-row", type=int, default=4, help="--direct")
     parser.add_argument("--repeats", type=int, default=10, help="--direct")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.direct, args.repeats, args.rows = True, 2, 2
+        args.config = ROOT / "train_configs/alphabet_sort_tiny.toml"
+        args.override = [*args.override, "--batcher.rows_per_microbatch=2"]
     if args.direct:
         result = direct(args)
         if args.json:
