@@ -201,6 +201,29 @@ class FakeEnvironment(Environment):
         return []
 
 
+TRAINER_VOCAB = 96
+
+
+def tiny_core(*, device: str = "cpu", seed: int = 0, loss=None, correction=None, **training):
+    """A one-process TrainerCore of the tiny model (64 positions, vocabulary TRAINER_VOCAB),
+    lr 1e-2 unless `training` says otherwise."""
+    from torchtitan_rl.losses.corrections import CorrectionConfig
+    from torchtitan_rl.losses.policy_loss import LossConfig
+    from torchtitan_rl.models.qwen3 import ModelConfig
+    from torchtitan_rl.training.trainer import TrainerCore
+    from torchtitan_rl.training.trainer_config import TrainingConfig
+
+    return TrainerCore(
+        model_config=ModelConfig(max_seq_len=64),
+        training=TrainingConfig(**{"lr": 1e-2, **training}),
+        loss=loss or LossConfig(),
+        correction=correction or CorrectionConfig(),
+        vocab_size=TRAINER_VOCAB,
+        device=torch.device(device),
+        seed=seed,
+    )
+
+
 def tiny_qwen3(seed: int = 0, vocab: int = 97) -> Qwen3Model:
     """A 2-layer random Qwen3 for engine and runner tests (fp32, untied)."""
     torch.manual_seed(seed)

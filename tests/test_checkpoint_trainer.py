@@ -3,29 +3,18 @@
 import numpy as np
 import pytest
 import torch
+from fakes import tiny_core
 
-from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
-from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.rollout.batcher import BatcherConfig, pack_batch
 from torchtitan_rl.training.checkpoint import load_trainer_state, save_trainer_state
-from torchtitan_rl.training.trainer import TrainerCore
-from torchtitan_rl.training.trainer_config import TrainingConfig
 from torchtitan_rl.types import Episode
 
 VOCAB = 96
 
 
 def _core(seed=0, kl_coef=0.0):
-    return TrainerCore(
-        model_config=ModelConfig(max_seq_len=64),
-        training=TrainingConfig(lr=1e-2, warmup_steps=5, weight_decay=0.1),
-        loss=LossConfig(kl_coef=kl_coef),
-        correction=CorrectionConfig(),
-        vocab_size=VOCAB,
-        device=torch.device("cpu"),
-        seed=seed,
-    )
+    return tiny_core(seed=seed, loss=LossConfig(kl_coef=kl_coef), warmup_steps=5, weight_decay=0.1)
 
 
 def _batch(seed):

@@ -5,32 +5,19 @@ import json
 import numpy as np
 import pytest
 import torch
-from fakes import tiny_qwen3
+from fakes import tiny_core, tiny_qwen3
 
 from torchtitan_rl.controller.config import ParallelismConfig
 from torchtitan_rl.generation.engine import Engine, EngineConfig
-from torchtitan_rl.losses.corrections import CorrectionConfig
-from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models.hf_export import export_hf
-from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.rollout.batcher import BatcherConfig, pack_batch
-from torchtitan_rl.training.trainer import TrainerCore
-from torchtitan_rl.training.trainer_config import TrainingConfig
 from torchtitan_rl.types import Episode
 
 VOCAB = 96
 
 
 def _core(**training):
-    return TrainerCore(
-        model_config=ModelConfig(max_seq_len=64),
-        training=TrainingConfig(lr=1e-2, **training),
-        loss=LossConfig(),
-        correction=CorrectionConfig(),
-        vocab_size=VOCAB,
-        device=torch.device("cpu"),
-        seed=0,
-    )
+    return tiny_core(**training)
 
 
 def _batch():

@@ -4,14 +4,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from fakes import tiny_core
 
-from torchtitan_rl.losses.corrections import CorrectionConfig
-from torchtitan_rl.losses.policy_loss import LossConfig
-from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.rollout.batcher import BatcherConfig, pack_batch
 from torchtitan_rl.training.parallelize import apply_compile
-from torchtitan_rl.training.trainer import TrainerCore
-from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
+from torchtitan_rl.training.trainer_config import WarmStartConfig
 from torchtitan_rl.types import Episode
 from torchtitan_rl.weight_sync.packing import pack_weights, unpack_weights
 
@@ -19,15 +16,7 @@ VOCAB = 96
 
 
 def _core(device="cpu", **training):
-    return TrainerCore(
-        model_config=ModelConfig(max_seq_len=64),
-        training=TrainingConfig(lr=1e-2, **training),
-        loss=LossConfig(),
-        correction=CorrectionConfig(),
-        vocab_size=VOCAB,
-        device=torch.device(device),
-        seed=0,
-    )
+    return tiny_core(device=device, **training)
 
 
 def _episodes(rng, n=6, advantage=1.0, logprob=-3.0):

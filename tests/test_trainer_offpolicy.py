@@ -6,13 +6,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from fakes import tiny_core
 
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
-from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.rollout.batcher import BatcherConfig, pack_batch
-from torchtitan_rl.training.trainer import TrainerCore
-from torchtitan_rl.training.trainer_config import TrainingConfig
 from torchtitan_rl.types import Episode
 
 VOCAB = 96
@@ -20,15 +18,7 @@ SEQ_LEN = 64
 
 
 def _core(*, loss=None, correction=None, **training):
-    return TrainerCore(
-        model_config=ModelConfig(max_seq_len=SEQ_LEN),
-        training=TrainingConfig(lr=1e-2, **training),
-        loss=loss or LossConfig(),
-        correction=correction or CorrectionConfig(),
-        vocab_size=VOCAB,
-        device=torch.device("cpu"),
-        seed=0,
-    )
+    return tiny_core(loss=loss, correction=correction, **training)
 
 
 def _episodes(seed, n=4, length=60):
