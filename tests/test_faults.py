@@ -14,7 +14,12 @@ import torch
 
 from torchtitan_rl.controller.checkpoints import CheckpointStore
 from torchtitan_rl.controller.loop import Controller
-from torchtitan_rl.controller.supervision import ActorFailure, Supervisor, describe_failure
+from torchtitan_rl.controller.supervision import (
+    ActorFailure,
+    SupervisionError,
+    Supervisor,
+    describe_failure,
+)
 
 KILLED = (
     "The actor <root>.<torchtitan_rl.actors.generator.GeneratorActor generator{'procs': 0/1}> "
@@ -171,3 +176,21 @@ def test_cli_prompt_over_the_token_budget_ends_with_one_line(tmp_path):
     assert rc == 1
     assert not any("Traceback" in line for line in lines), lines
     assert lines[-1].startswith("error: ValueError: env.max_rollout_tokens=8"), lines
+
+
+def test_a_process_killed_by_a_signal_leaves_its_stacks_and_the_error_names_them(tmp_path):
+    code = (
+        "import os, sys; from torchtitan_rl.actors.fault_log import enable_fault_log\n"
+        f"f = enable_fault_log({str(tmp_path)!r}, 'generator', 0)\n"
+        "def deep(): os.abort()\n"
+        "deep()"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=60)
+    assert run.returncode != 0
+    stacks = (tmp_path / "generator-rank0.log").read_text()
+    assert "Fatal Python error: Aborted" in stacks and "in deep" in stacks
+    supervisor = Supervisor(("trainer", "generator"), tmp_path)
+    supervisor.where = "during RL step 117"
+    line = str(supervisor.translate(SupervisionError(KILLED)))
+    assert line.startswith("generator failed during RL step 117 (rank 0): ")
+    assert line.endswith(f"; its Python stacks at death: {tmp_path / 'generator-rank0.log'}")

@@ -30,31 +30,63 @@ def main(argv: list[str]) -> int:
     debug = "--debug" in flags
     _setup_logging(debug)
     try:
-        from torchtitan_rl.config import Config, help_text, load_config, to_toml
-        from torchtitan_rl.controller.loop import Controller
-        from torchtitan_rl.controller.summary import print_summary
-    except Exception as e:  # e.g. a user environment module that does not import
+        from torchtitan_rl.config import load_config, to_toml
+    except Exception as e:  # e.g. a dependency that does not import
         return _fail(e, debug, 1, prefix="importing torchtitan_rl failed: ")
     config_file = os.environ.get("CONFIG_FILE") or DEFAULT_CONFIG
     if flags & {"--help", "-h"}:
-        try:
-            config = load_config(config_file, argv)
-        except ValueError:  # help still answers: the defaults
-            config = Config()
-        print(help_text(config))
-        return 0
+        return _print_help(config_file, argv)
     try:
         config = load_config(config_file, argv)
         if "--print-config" in flags:
-            print(to_toml(config))
-            return 0
+            return _page(to_toml(config))
+    except ValueError as e:  # ConfigError: the job file or an override
+        return _fail(e, debug, 2)
+    except Exception as e:  # e.g. a user environment module that does not import
+        return _fail(e, debug, 1)
+    return _train(config, debug)
+
+
+def _print_help(config_file: str | Path, overrides: list[str]) -> int:
+    """Help must answer even for a job that does not load (that is when it is wanted most):
+    it then lists the defaults and the default environment's settings, and says why."""
+    from torchtitan_rl.config import Config, help_text, load_config
+
+    try:
+        config = load_config(config_file, overrides)
+    except Exception as e:  # a ConfigError, or a user environment that fails to import
+        note = f"note: {config_file} did not load ({one_line(e)}); showing the defaults"
+        print(note, file=sys.stderr)
+        config = Config()
+    return _page(help_text(config))
+
+
+def _page(text: str) -> int:
+    """Print `text` for a reader that may stop early (`--help | head`, a pager that quits):
+    a closed pipe ends the answer quietly, with exit code 0, not a traceback."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # Python would complain again when it flushes at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _train(config, debug: bool) -> int:
+    """Spawn and run the job; imported only here, so --help and --print-config stay light."""
+    try:
+        from torchtitan_rl.controller.loop import Controller
+        from torchtitan_rl.controller.summary import print_summary
+    except Exception as e:
+        return _fail(e, debug, 1, prefix="importing torchtitan_rl failed: ")
+    try:
         controller = Controller(config)
         done = controller.completed_step()
         if done >= controller.last_step():
             print(f"already complete: {controller.run_dir} holds the checkpoint of RL step {done}")
             return 0
         controller.check_resume()
-    except ValueError as e:  # ConfigError, or a cross-section / file check of the controller
+    except ValueError as e:  # a cross-section / file check of the controller
         return _fail(e, debug, 2)
     except Exception as e:  # e.g. a user environment failing to build
         return _fail(e, debug, 1)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from monarch.actor import Actor, concurrent_endpoint
 
+from torchtitan_rl.actors.fault_log import enable_fault_log
 from torchtitan_rl.device import pick_device
 from torchtitan_rl.generation.engine import Engine, EngineConfig
 from torchtitan_rl.models.qwen3 import ModelConfig, build_model
@@ -32,7 +33,10 @@ class GeneratorActor(Actor):
         vocab_size: int,
         device: str,
         cpu_threads: int = 0,
+        actor_name: str = "generator",
+        log_dir: str | None = None,
     ):
+        self.fault_log = enable_fault_log(log_dir, actor_name, 0)
         dev = pick_device(device, cpu_threads)
         self.engine = Engine(build_model(model, vocab_size, dev), engine, dev)
         self.shared_reader = SharedReader(dev)

@@ -7,6 +7,7 @@ import os
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
+from torchtitan_rl.actors.fault_log import enable_fault_log
 from torchtitan_rl.device import DTYPES, init_process_group, pick_device
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
@@ -43,8 +44,10 @@ class TrainerActor(Actor):
         seed: int,
         cpu_threads: int = 0,
         tp: int = 1,
+        log_dir: str | None = None,
     ):
         self.rank = current_rank().rank
+        self.fault_log = enable_fault_log(log_dir, "trainer", self.rank)
         dev = pick_device(device, cpu_threads)
         init_process_group(dev)
         self.core = TrainerCore(

@@ -104,7 +104,9 @@ class Controller:
         self.last_validation = float("nan")
         self.store = CheckpointStore(self.run_dir, config.checkpoint.keep_latest)
         replica_names = [f"generator{i}" for i in range(1, config.generator.num_replicas)]
-        self.supervisor = Supervisor(("trainer", "generator", *replica_names))
+        self.log_dir = self.run_dir / "logs"
+        """Where a process killed by a signal leaves its Python stacks (actors/fault_log.py)."""
+        self.supervisor = Supervisor(("trainer", "generator", *replica_names), self.log_dir)
         self.diagnostics = StepDiagnostics(self.run_dir, config.env, config.rollout.max_tokens)
         self.start_step = 0
         """The RL step the run continues after (0 for a fresh run, N after step_N)."""
@@ -207,18 +209,21 @@ class Controller:
             seed=cfg.job.seed,
             cpu_threads=threads,
             tp=cfg.parallelism.tp,
+            log_dir=str(self.log_dir),
         )
         self.generators = [
             mesh.spawn(
-                f"generator{i}" if i else "generator",
+                name,
                 GeneratorActor,
                 model=cfg.model,
                 engine=cfg.generator,
                 vocab_size=vocab,
                 device=cfg.parallelism.device,
                 cpu_threads=threads,
+                actor_name=name,
+                log_dir=str(self.log_dir),
             )
-            for i, mesh in enumerate(generator_meshes)
+            for name, mesh in zip(self.supervisor.names[1:], generator_meshes)
         ]
         fns = [ActorGenerateFn(g) for g in self.generators]
         self.router = Router(fns) if replicas > 1 else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import TypeVar
 
 import monarch.actor
@@ -24,6 +25,8 @@ import monarch.actor
 # actor died raises it.
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import ActorError
+
+from torchtitan_rl.actors.fault_log import fault_log_path
 
 T = TypeVar("T")
 
@@ -60,8 +63,10 @@ class Supervisor:
     """Installed for the duration of a run; `names` are the actor names given to
     `ProcMesh.spawn` (e.g. ("trainer", "generator")), used to name the one that died."""
 
-    def __init__(self, names: tuple[str, ...]):
+    def __init__(self, names: tuple[str, ...], log_dir: Path | None = None):
         self.names = names
+        self.log_dir = log_dir
+        """Where actors leave their stacks when a signal kills them (actors/fault_log.py)."""
         self.reports: list[str] = []
         self.where = "at start-up"
         self._failed = asyncio.Event()
@@ -90,7 +95,18 @@ class Supervisor:
         if not self.reports:
             return None
         named = [r for r in self.reports if any(f"{n}{{" in r for n in self.names)]
-        return ActorFailure(describe_failure((named or self.reports)[0], self.names, self.where))
+        return self._failure((named or self.reports)[0])
+
+    def _failure(self, report: str) -> ActorFailure:
+        """The one line, plus the dead process's Python stacks file when it wrote one."""
+        line = describe_failure(report, self.names, self.where)
+        for name, rank in _MESH_RANK.findall(report):
+            if name in self.names and self.log_dir is not None:
+                path = fault_log_path(self.log_dir, name, int(rank))
+                if path.is_file() and path.stat().st_size:
+                    line += f"; its Python stacks at death: {path}"
+                break
+        return ActorFailure(line)
 
     def translate(self, error: BaseException) -> BaseException:
         """A dead actor's SupervisionError (or an ActorError wrapping one) as ActorFailure;
@@ -98,7 +114,7 @@ class Supervisor:
         if isinstance(error, ActorError) and isinstance(error.exception, SupervisionError):
             error = error.exception
         if isinstance(error, SupervisionError):
-            return ActorFailure(describe_failure(str(error), self.names, self.where))
+            return self._failure(str(error))
         return error
 
     async def watch(self, awaitable: Awaitable[T]) -> T:
