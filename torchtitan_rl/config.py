@@ -265,7 +265,7 @@ def _describe_section(name: str, section: Any) -> list[str]:
             continue  # [env.args] is described on its own
         kind = getattr(hints[f.name], "__name__", str(hints[f.name]))
         lines.append(f"  {name}.{f.name} ({kind}) = {_toml_value(value)}")
-        for text in textwrap.wrap(docs.get(f.name, ""), 88):
+        for text in textwrap.wrap(docs.get(f.name, ""), 88, break_on_hyphens=False):
             lines.append(f"      {text}")
     return lines
 
@@ -278,7 +278,8 @@ def help_text(config: Config) -> str:
         "       [--debug] [--print-config] [--help]",
         "",
         "CONFIG_FILE picks the job file (default: train_configs/alphabet_sort_tiny.toml in",
-        "this repository); every key below can be overridden on the command line.",
+        "this repository); every key below can be overridden on the command line. Values",
+        "shown are the ones in effect: the defaults, then CONFIG_FILE, then the overrides.",
         "--debug shows tracebacks; --print-config prints the resolved config and exits.",
         "",
     ]
@@ -289,6 +290,7 @@ def help_text(config: Config) -> str:
                 args = config.env_args()
             except ConfigError:
                 args = None
+            lines.append("")
             lines.append(f"[env.args]  (settings of environment {config.env.name!r})")
             if args is not None:
                 lines += _describe_section("env.args", args)[1:]
