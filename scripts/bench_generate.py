@@ -433,6 +433,8 @@ def main() -> None:
         try:
             results[key] = run_engine(model, args, prompts, device, dtype_name, attention)
         except Exception as exc:  # a failed variant is reported, the others still run
+            if args.smoke:  # a smoke checks that the script works: fail loudly
+                raise
             results[key] = {"error": f"{type(exc).__name__}: {exc}"}
         torch.cuda.empty_cache() if device.type == "cuda" else None
         save()

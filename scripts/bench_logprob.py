@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import statistics
@@ -280,33 +281,37 @@ def main() -> None:
         except (AttributeError, AssertionError, RuntimeError) as e:  # diagnostics only
             print(f"    profile failed: {type(e).__name__}: {e}")
 
-    impls: list[tuple[str, Callable, bool, str]] = [
-        ("ours (with entropy)", token_logprobs, True, "exact"),
-    ]
-    if device.type == "cuda":
-        impls += [
-            ("ours, no entropy", ours_without_entropy, False, "exact"),
-            ("ours, 512 MiB dlogits buffer", token_logprobs, True, "exact"),
-            ("liger-kernel FLCE, reduction=none", liger, False, "exact"),
-            ("cut-cross-entropy, reduction=none", cce, False, "filters small grads"),
-        ]
-    impls += [
-        ("naive: h@W.T, fp32 log_softmax", naive, False, "full [T,V] fp32 logits"),
-        ("naive with entropy", naive_with_entropy, True, "full [T,V] fp32 logits"),
-    ]
+    cuda = device.type == "cuda"
+    # (name, function, entropy, notes, optional package it needs, runs on this device)
+    impls: list[tuple[str, Callable, bool, str, str | None, bool]] = [
+        ("ours (with entropy)", token_logprobs, True, "exact", None, True),
+        ("ours, no entropy", ours_without_entropy, False, "exact", None, cuda),
+        ("ours, 512 MiB dlogits buffer", token_logprobs, True, "exact", None, cuda),
+        ("liger-kernel FLCE, reduction=none", liger, False, "exact", "liger_kernel", cuda),
+        ("cut-cross-entropy, reduction=none", cce, False, "filters small grads",
+         "cut_cross_entropy", cuda),
+        ("naive: h@W.T, fp32 log_softmax", naive, False, "full [T,V] fp32 logits", None, True),
+        ("naive with entropy", naive_with_entropy, True, "full [T,V] fp32 logits", None, True),
+    ]  # fmt: skip
     skip = {s.strip() for s in args.skip.split(";") if s.strip()}
     rows = []
-    for name, fn, entropy, note in impls:
+    for name, fn, entropy, note, package, runs_here in impls:
         if name in skip:
+            continue
+        if package is not None and importlib.util.find_spec(package) is None:
+            print(f"  {name}: skipped ({package} is not installed)")
+            continue
+        if not runs_here:
             continue
         settings = {"DLOGITS_BUFFER_BYTES": 512 * 2**20} if "512 MiB" in name else {}
         try:
             with kernel_settings(**settings):
                 ms, extra = run_impl(fn, inputs, device, args.warmup, args.repeats)
-        except (ImportError, RuntimeError) as e:  # a missing wheel or an OOM: say so, go on
+        except (ImportError, RuntimeError) as e:  # a broken wheel or an OOM: say so, go on
+            if not cuda:  # on CPU neither is expected: a smoke must fail loudly
+                raise
             print(f"  {name}: skipped ({type(e).__name__}: {str(e)[:120]})")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()
             continue
         rows.append(dict(name=name, ms=ms, extra_peak_gib=extra, entropy=entropy, notes=note))
         print(f"  {name}: {ms:.2f} ms, extra {_gib(extra)}")

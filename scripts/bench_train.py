@@ -135,7 +135,7 @@ def main() -> None:
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
         args.flavor, args.rows, args.seq, args.vocab, args.steps, args.warmup = (
-            "tiny", 2, 128, 1024, 2, 1,
+            "tiny", 2, 64, 1024, 2, 1,
         )  # fmt: skip
     torch.manual_seed(0)
     model = build_model(ModelConfig(flavor=args.flavor, max_seq_len=args.seq), args.vocab, device)
