@@ -8,6 +8,7 @@ import torch
 from fakes import tiny_core, tiny_qwen3
 
 from torchtitan_rl.controller.config import ParallelismConfig
+from torchtitan_rl.envs.base import EnvConfig
 from torchtitan_rl.generation.engine import Engine, EngineConfig
 from torchtitan_rl.models.hf_export import export_hf
 from torchtitan_rl.rollout.batcher import BatcherConfig, pack_batch
@@ -79,3 +80,75 @@ def test_decode_attention_picks_the_kernel_and_refuses_triton_on_cpu():
     assert engine.runner.decode_attention == "gather"
     with pytest.raises(ValueError, match="triton"):
         Engine(tiny_qwen3(), EngineConfig(max_seq_len=64, decode_attention="triton"))
+
+
+def test_lr_scales_the_first_update():
+    # Adam's first step moves each weight by about lr (times the sign of its gradient)
+    assert _moved(lr=1e-3) == pytest.approx(_moved(lr=1e-2) / 10, rel=0.05)
+
+
+def test_clip_low_decides_which_negative_advantage_ratios_are_clipped():
+    from torchtitan_rl.losses.policy_loss import LossConfig, policy_loss
+    from torchtitan_rl.reductions import results
+
+    lp = torch.log(torch.tensor([0.7, 0.9]))  # ratio 0.7 and 0.9 against pi_old = 1
+    old, adv, seq = torch.zeros(2), -torch.ones(2), torch.tensor([0, 1])
+    fracs = []
+    for clip_low in (0.2, 0.4):
+        _, metrics = policy_loss(
+            lp, old, adv, seq, config=LossConfig(clip_low=clip_low),
+            num_global_tokens=2, num_global_sequences=2,
+        )  # fmt: skip
+        fracs.append(results(metrics)["loss/clip_frac"])
+    assert fracs == [0.5, 0.0]
+
+
+def test_max_num_seqs_bounds_the_running_batch():
+    import asyncio
+
+    from torchtitan_rl.types import SamplingParams
+
+    engine = Engine(tiny_qwen3(), EngineConfig(max_seq_len=48, max_num_seqs=2))
+
+    async def go():
+        prompts = [np.arange(4 + i, dtype=np.int32) for i in range(5)]
+        sampling = SamplingParams(temperature=0.0, max_tokens=6)
+        done = await asyncio.gather(
+            *(
+                engine.generate(p, request_id=str(i), sampling=sampling)
+                for i, p in enumerate(prompts)
+            )
+        )
+        await engine.close()
+        return [c.metrics["generator/inflight_at_completion"] for c in done]
+
+    inflight = asyncio.run(go())
+    assert max(inflight) == 2
+
+
+def test_alphabet_sort_args_shape_the_samples():
+    from torchtitan_rl.envs.alphabet_sort import AlphabetSort, AlphabetSortConfig
+    from torchtitan_rl.envs.base import EnvConfig
+
+    args = AlphabetSortConfig(min_names=3, max_names=3, sort_by="first")
+    env = AlphabetSort(EnvConfig(max_turns=2), 0, args)
+    samples = [env.train_sample(i) for i in range(20)]
+    assert {s["sort_by"] for s in samples} == {"first"}
+    assert {len(names) for s in samples for names in s["names_per_turn"]} == {3}
+
+
+def test_rollout_max_tokens_reaches_every_request():
+    import asyncio
+
+    from fakes import FakeEnvironment, FakeRenderer, ScriptedEnv, always, done
+
+    from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
+
+    generate = always("ok")
+    env_config = EnvConfig(max_rollout_tokens=1000)
+    rollouter = Rollouter(
+        FakeEnvironment(lambda s: ScriptedEnv([done()]), lambda r: 1.0, config=env_config),
+        FakeRenderer(), env_config, RolloutConfig(max_tokens=17, group_size=2), seed=0,
+    )  # fmt: skip
+    asyncio.run(rollouter.collect_batch(1, 0, generate))
+    assert {call.sampling.max_tokens for call in generate.calls} == {17}
