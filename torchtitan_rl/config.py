@@ -7,12 +7,14 @@ them. Every user mistake raises ConfigError with one line naming the key and wha
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tomli
+import torch
 
 from torchtitan_rl.controller.config import (
     CheckpointConfig,
@@ -23,6 +25,7 @@ from torchtitan_rl.controller.config import (
 from torchtitan_rl.envs import resolve_environment
 from torchtitan_rl.envs.base import EnvConfig
 from torchtitan_rl.generation.engine import EngineConfig
+from torchtitan_rl.generation.vllm_engine import CPU_BLOCK_MULTIPLE
 from torchtitan_rl.losses.corrections import CorrectionConfig, check_objective
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models.qwen3 import ModelConfig
@@ -74,12 +77,29 @@ class Config:
                 "rollout.group_size=1: a group-relative advantage is 0 for every rollout, so "
                 "no RL step would train anything; use rollout.group_size >= 2"
             )
+        self._check_generator_backend()
         self.env_args()  # the environment exists and its settings are valid
         if self.warm_start.steps > 0 and not self.environment_class().has_demonstrations():
             raise ConfigError(
                 f"warm_start.steps={self.warm_start.steps} needs demonstrations, but "
                 f"env.name={self.env.name!r} does not implement demonstration(); "
                 "set warm_start.steps = 0"
+            )
+
+    def _check_generator_backend(self) -> None:
+        if self.generator.backend != "vllm":
+            return
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                'generator.backend = "vllm" needs vLLM, which is not installed: see the '
+                'README ("vLLM backend") or use generator.backend = "native"'
+            )
+        device = self.parallelism.device
+        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+        if on_cpu and self.generator.block_size % CPU_BLOCK_MULTIPLE:
+            raise ConfigError(
+                f"generator.block_size={self.generator.block_size}: vLLM on CPU needs a "
+                f"multiple of {CPU_BLOCK_MULTIPLE}, e.g. 32"
             )
 
     def environment_class(self):

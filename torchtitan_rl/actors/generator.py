@@ -1,4 +1,6 @@
-"""Monarch adapter for the generation Engine: one actor per generator process."""
+"""Monarch adapter for a generation engine (native `Engine` or `VllmEngine`, chosen by
+`generator.backend`): one actor per generator process. Nothing below branches on the
+backend except construction and `weights`."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from monarch.actor import Actor, concurrent_endpoint
 from torchtitan_rl.actors.fault_log import enable_fault_log
 from torchtitan_rl.device import pick_device
 from torchtitan_rl.generation.engine import Engine, EngineConfig
-from torchtitan_rl.models.qwen3 import ModelConfig, build_model
+from torchtitan_rl.models.qwen3 import ModelConfig, build_model, model_args
 from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 from torchtitan_rl.weight_sync.packing import (
     PackedWeights,
@@ -20,6 +22,18 @@ from torchtitan_rl.weight_sync.packing import (
     unpack_weights,
     visible_cuda_uuids,
 )
+
+
+def build_engine(model: ModelConfig, engine: EngineConfig, vocab_size: int, device, hf_folder: str):
+    """The engine `engine.backend` names, with the policy's weights (`hf_folder` for vllm)."""
+    if engine.backend == "vllm":
+        from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+
+        from torchtitan_rl.generation.vllm_engine import VllmEngine
+
+        adapter = Qwen3StateDictAdapter(model_args(model, vocab_size), None)
+        return VllmEngine(hf_folder, engine, device, state_dict_adapter=adapter)
+    return Engine(build_model(model, vocab_size, device), engine, device)
 
 
 class GeneratorActor(Actor):
@@ -35,10 +49,13 @@ class GeneratorActor(Actor):
         cpu_threads: int = 0,
         actor_name: str = "generator",
         log_dir: str | None = None,
+        hf_folder: str = "",
     ):
+        """`hf_folder`: where the vllm backend starts from (the policy exported by the
+        trainer, or model.hf_checkpoint); unused by the native engine."""
         self.fault_log = enable_fault_log(log_dir, actor_name, 0)
         dev = pick_device(device, cpu_threads)
-        self.engine = Engine(build_model(model, vocab_size, dev), engine, dev)
+        self.engine = build_engine(model, engine, vocab_size, dev, hf_folder)
         self.shared_reader = SharedReader(dev)
 
     @concurrent_endpoint
@@ -89,7 +106,10 @@ class GeneratorActor(Actor):
 
     @concurrent_endpoint
     async def weights(self) -> dict[str, torch.Tensor]:
-        """The weights the engine computes with now, as CPU tensors (tests, debugging)."""
+        """The weights the native engine computes with now, as CPU tensors (tests,
+        debugging); vLLM keeps them in its kernels' layouts."""
+        if not isinstance(self.engine, Engine):
+            raise NotImplementedError("weights() reads the native engine only")
         params = self.engine.runner.model.named_parameters(remove_duplicate=False)
         return {k: v.detach().cpu() for k, v in params}
 

@@ -211,6 +211,7 @@ class Controller:
             tp=cfg.parallelism.tp,
             log_dir=str(self.log_dir),
         )
+        hf_folder = await self.generator_start_folder()
         self.generators = [
             mesh.spawn(
                 name,
@@ -222,6 +223,7 @@ class Controller:
                 cpu_threads=threads,
                 actor_name=name,
                 log_dir=str(self.log_dir),
+                hf_folder=hf_folder,
             )
             for name, mesh in zip(self.supervisor.names[1:], generator_meshes)
         ]
@@ -236,6 +238,17 @@ class Controller:
             await self.restore(latest, state)
         (self.run_dir / "config.toml").write_text(to_toml(cfg))  # after a successful restore
         await self.sync_weights()
+
+    async def generator_start_folder(self) -> str:
+        """The Hugging Face folder the vllm backend starts from: model.hf_checkpoint, or
+        the trainer's initial policy exported in the generator's dtype ("" for native)."""
+        cfg = self.config
+        if cfg.generator.backend != "vllm" or cfg.model.hf_checkpoint:
+            return cfg.model.hf_checkpoint
+        folder = self.run_dir / "generator_start_hf"
+        self.supervisor.where = "while exporting the generator's starting weights"
+        await self.trainer.export_hf.call(str(folder), "", cfg.generator.dtype)
+        return str(folder)
 
     # ---- checkpoints ------------------------------------------------------------------
     async def restore(self, folder: Path, state: ControllerState) -> None:

@@ -38,12 +38,17 @@ from torchtitan_rl.generation.scheduler import Request, Scheduler
 from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 
 WEIGHT_SYNC_MODES = ("hot_swap", "drain")
+BACKENDS = ("native", "vllm")
 
 
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:
-    """Native engine settings; TOML section [generator]."""
+    """Generator settings; TOML section [generator]. Both backends read them, except where a
+    key says "native only"."""
 
+    backend: str = "native"
+    """"native" (this package's engine) | "vllm" (vLLM in the generator process, started
+    from a Hugging Face folder; `pip install` the vllm extra, README)."""
     num_replicas: int = 1
     """Generator replicas (each its own process and engine) behind a session-affine router;
     weights are pushed to all of them after every step."""
@@ -56,7 +61,8 @@ class EngineConfig:
     max_steps_per_iteration: int = 8
     """Decode steps between yields to the event loop (new requests join at yields), >= 1."""
     block_size: int = 16
-    """Tokens per KV cache block (the unit of allocation and of prefix reuse), >= 1."""
+    """Tokens per KV cache block (the unit of allocation and of prefix reuse), >= 1; vllm on
+    CPU: a multiple of 32."""
     num_blocks: int = 0
     """KV cache blocks; 0 sizes the cache for max_num_seqs full-length sequences. Fewer
     blocks admit fewer requests at once and preempt (recompute) when the cache fills; at
@@ -69,13 +75,15 @@ class EngineConfig:
     recompute_on_sync: bool = False
     """After a weight pull, re-prefill running requests under the new weights (their blocks
     are then shareable again). Either way no request admitted after a pull reuses keys/values
-    of older weights: the prefix cache is keyed by weight load."""
+    of older weights: the native prefix cache is keyed by weight load; vLLM's is reset, and
+    without this key requests arriving while older ones run wait until those finish."""
     decode_attention: str = "auto"
-    """Decode-step attention: "auto" (triton on CUDA, else gather) | "gather" (any device) |
+    """Native only. Decode-step attention: "auto" (triton on CUDA, else gather) | "gather" (any device) |
     "triton" (paged kernel, CUDA only)."""
     cuda_graphs: bool = True
     """On a CUDA device, capture the decode step as CUDA graphs (one per batch and context
-    bucket, at engine start); no effect on CPU."""
+    bucket, at engine start; vllm: its torch.compile and CUDA graphs, else eager); no effect
+    on CPU."""
 
     def validate(self) -> None:
         for name in ("num_replicas", "max_num_seqs", "max_steps_per_iteration", "block_size"):
@@ -94,6 +102,13 @@ class EngineConfig:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(
                 f"decode_attention must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "vllm" and self.decode_attention != "auto":
+            raise ValueError(
+                f"decode_attention={self.decode_attention!r} is native only: vLLM picks its "
+                'own attention; remove it or use backend = "native"'
             )
         if self.weight_sync_mode not in WEIGHT_SYNC_MODES:
             raise ValueError(
@@ -128,6 +143,26 @@ class RowParams:
             generators=[r.generator for r in requests],
             return_support=any(p.return_support for p in params),
         )
+
+
+def request_error(
+    prompt_ids: np.ndarray, sampling: SamplingParams, max_seq_len: int, vocab_size: int
+) -> str | None:
+    """Why a request cannot be served (one line), or None; either backend answers it with
+    an ERROR completion."""
+    prompt = np.asarray(prompt_ids)
+    limit = max_seq_len - 1
+    if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+        return f"prompt_ids must be a 1-D integer array, got {prompt.dtype} {prompt.shape}"
+    if not 1 <= prompt.shape[0] <= limit:
+        return f"prompt_ids has {prompt.shape[0]} tokens, must be in [1, {limit}]"
+    if prompt.min() < 0 or prompt.max() >= vocab_size:
+        return f"prompt_ids must be in [0, {vocab_size}), got [{prompt.min()}, {prompt.max()}]"
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        return f"sampling: {exc}"
+    return None
 
 
 class ActionKind(StrEnum):
@@ -210,7 +245,9 @@ class Engine:
         if self._closed:
             raise RuntimeError("engine closed")
         sampling = sampling if sampling is not None else SamplingParams()
-        error = self._request_error(prompt_ids, sampling)
+        error = request_error(
+            prompt_ids, sampling, self.config.max_seq_len, self._runner.vocab_size
+        )
         if error is not None:
             return Completion(
                 request_id=request_id,
@@ -256,22 +293,6 @@ class Engine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-
-    def _request_error(self, prompt_ids: np.ndarray, sampling: SamplingParams) -> str | None:
-        prompt = np.asarray(prompt_ids)
-        limit = self.config.max_seq_len - 1
-        vocab = self._runner.vocab_size
-        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
-            return f"prompt_ids must be a 1-D integer array, got {prompt.dtype} {prompt.shape}"
-        if not 1 <= prompt.shape[0] <= limit:
-            return f"prompt_ids has {prompt.shape[0]} tokens, must be in [1, {limit}]"
-        if prompt.min() < 0 or prompt.max() >= vocab:
-            return f"prompt_ids must be in [0, {vocab}), got [{prompt.min()}, {prompt.max()}]"
-        try:
-            sampling.validate()
-        except ValueError as exc:
-            return f"sampling: {exc}"
-        return None
 
     def _ensure_loop(self) -> None:
         if self._task is None:
