@@ -319,26 +319,35 @@ def cpu_default_prompts(num_prompts: int) -> list[np.ndarray]:
     return [asyncio.run(render(i)) for i in range(num_prompts)]
 
 
-def run_cpu_default(args) -> None:
-    """Engine rounds shaped like one generation phase of the default CPU run (module doc)."""
+def export_folder(model, folder: Path) -> str:
+    """`model` as a Hugging Face folder, the start of a vLLM engine."""
+    from torchtitan_rl.models.hf_export import export_hf
+
+    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    return str(export_hf(state, model.model_args, folder))
+
+
+def count_steps(engine) -> list[int]:
+    """Counts engine steps (forwards) into the returned one-element list."""
+    steps = [0]
+    native = isinstance(engine, Engine)
+    owner = engine.runner if native else engine._llm
+    name = "forward" if native else "step"
+    inner = getattr(owner, name)
+
+    def counted(*a, **k):
+        steps[0] += 1
+        return inner(*a, **k)
+
+    setattr(owner, name, counted)
+    return steps
+
+
+def cpu_default_rounds(engine, state, prompts, num_rounds: int) -> dict:
+    """Timed rounds of one RL step's generation on `engine` (either backend)."""
     import hashlib
 
-    from torchtitan_rl.models.qwen3 import ModelConfig, build_model
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    prompts = cpu_default_prompts(16)
-    model = build_model(ModelConfig(flavor="tiny", max_seq_len=512), 896, torch.device("cpu"))
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    engine = Engine(model, EngineConfig(max_num_seqs=128, max_seq_len=512), "cpu")
-    steps = [0]
-    forward = engine.runner.forward
-
-    def counted(batch):
-        steps[0] += 1
-        return forward(batch)
-
-    engine.runner.forward = counted
+    steps = count_steps(engine)
 
     async def one_round(version: int):
         engine.load_weights(state, version)
@@ -355,7 +364,7 @@ def run_cpu_default(args) -> None:
 
     async def main():
         rounds, digest = [], hashlib.sha256()
-        for version in range(args.rounds + 1):  # round 0 warms up
+        for version in range(num_rounds + 1):  # round 0 warms up
             steps[0] = 0
             t0 = time.perf_counter()
             outs = await one_round(version)
@@ -369,9 +378,7 @@ def run_cpu_default(args) -> None:
     rounds, digest = asyncio.run(main())
     walls = sorted(r[0] for r in rounds)
     _, tokens, num_steps = rounds[0]
-    result = {
-        "machine": platform.machine(),
-        "torch": torch.__version__,
+    return {
         "rounds": len(rounds),
         "output_tokens_per_round": tokens,
         "engine_steps_per_round": num_steps,
@@ -381,16 +388,50 @@ def run_cpu_default(args) -> None:
         "median_ms_per_engine_step": 1e3 * walls[len(walls) // 2] / num_steps,
         "digest": digest,
     }
+
+
+def run_cpu_default(args) -> None:
+    """Engine rounds shaped like one generation phase of the default CPU run (module doc),
+    on the native engine and, when vLLM is installed, on the vllm backend."""
+    import tempfile
+
+    from torchtitan_rl.models.qwen3 import ModelConfig, build_model
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    prompts = cpu_default_prompts(16)
+    model_config = ModelConfig(flavor="tiny", max_seq_len=512)
+    model = build_model(model_config, 896, torch.device("cpu"))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    result = {"machine": platform.machine(), "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = export_folder(model, Path(tmp) / "hf")
+        engines = {"native": lambda: Engine(model, EngineConfig(max_num_seqs=128, max_seq_len=512), "cpu")}
+        if importlib.util.find_spec("vllm") is None:
+            print("vLLM: skipped (vllm is not installed)", flush=True)
+        else:
+            from torchtitan_rl.actors.generator import build_engine
+
+            config = EngineConfig(backend="vllm", max_num_seqs=128, max_seq_len=512, block_size=32)
+            engines["vllm"] = lambda: build_engine(
+                model_config, config, 896, torch.device("cpu"), folder
+            )
+        for name, make in engines.items():
+            result[name] = cpu_default_rounds(make(), state, prompts, args.rounds)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_generate_cpu_default.json").write_text(json.dumps(result, indent=2))
-    print(
-        f"cpu-default ({result['machine']}, torch {result['torch']}, 1 thread), "
-        f"{len(rounds)} rounds of {tokens} tokens in {num_steps} engine steps: "
-        f"median {result['median_round_ms']:.0f} ms/round (best {result['best_round_ms']:.0f}), "
-        f"{result['median_tok_per_s']:,.0f} output tok/s, "
-        f"{result['median_ms_per_engine_step']:.2f} ms/engine step; digest {digest}"
-    )
+    for name in ("native", "vllm"):
+        if name not in result:
+            continue
+        r = result[name]
+        print(
+            f"cpu-default {name} ({result['machine']}, torch {result['torch']}, 1 thread), "
+            f"{r['rounds']} rounds of {r['output_tokens_per_round']} tokens in "
+            f"{r['engine_steps_per_round']} engine steps: median {r['median_round_ms']:.0f} "
+            f"ms/round (best {r['best_round_ms']:.0f}), {r['median_tok_per_s']:,.0f} output "
+            f"tok/s, {r['median_ms_per_engine_step']:.2f} ms/engine step; digest {r['digest']}"
+        )
 
 
 def main() -> None:

@@ -96,3 +96,30 @@ def test_cli_bad_input_is_one_line_no_traceback(args, env, needle):
     assert "Traceback" not in run.stderr
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0]
+
+
+@pytest.mark.parametrize(
+    "installed, overrides, needle",
+    [
+        (False, [], "needs vLLM, which is not installed"),
+        (True, ["--generator.block_size=16"], "multiple of 32"),
+        (True, ["--generator.decode_attention=gather"], "native only"),
+        (True, ["--generator.backend=sglang"], "backend must be one of"),
+    ],
+)
+def test_vllm_backend_mistakes_are_one_line(monkeypatch, installed, overrides, needle):
+    """generator.backend = "vllm" is checked before any process starts: vLLM missing, a CPU
+    block size vLLM cannot use, a native-only key."""
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (object() if installed else None) if name == "vllm" else found(name, *a),
+    )
+    args = ["--generator.backend=vllm", "--parallelism.device=cpu", *overrides]
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, args)
+    assert needle in str(e.value)
+    assert load_config(TINY).generator.backend == "native"

@@ -199,5 +199,6 @@ def test_three_rl_steps_through_monarch_with_vllm(tmp_path):
     steps, version = asyncio.run(run())
     assert [m["trainer/policy_version"] for m in steps] == [3, 4, 5]
     assert version == 5, "the generator holds the trainer's latest weights"
+    assert (tmp_path / "vllm" / "generator_start_hf" / "config.json").is_file(), "vLLM started"
     assert all(m["trainer/logprob_diff/max"] < np.log(1.01) for m in steps)
     assert max(m["rollout/num_turns/mean"] for m in steps) > 1, "multi-turn rollouts"
