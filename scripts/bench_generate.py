@@ -406,7 +406,9 @@ def run_cpu_default(args) -> None:
     result = {"machine": platform.machine(), "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         folder = export_folder(model, Path(tmp) / "hf")
-        engines = {"native": lambda: Engine(model, EngineConfig(max_num_seqs=128, max_seq_len=512), "cpu")}
+        engines = {
+            "native": lambda: Engine(model, EngineConfig(max_num_seqs=128, max_seq_len=512), "cpu")
+        }
         if importlib.util.find_spec("vllm") is None:
             print("vLLM: skipped (vllm is not installed)", flush=True)
         else:
