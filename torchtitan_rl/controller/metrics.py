@@ -112,6 +112,10 @@ def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
             "rollout/output_tokens", [t.completion.num_tokens for r in valid for t in r.turns]
         )
     )
+    names = sorted({name for r in valid for name in r.reward_breakdown})
+    for name in names:  # each rubric function, weight 0 ones included (env metrics)
+        values = [r.reward_breakdown[name] for r in valid if name in r.reward_breakdown]
+        out.update(summarize(f"rollout_reward/{name}", values))
     for tag in GENERATOR_TAGS:
         values = [
             t.completion.metrics[tag] for r in valid for t in r.turns if tag in t.completion.metrics
