@@ -1,4 +1,4 @@
-"""Output tokens/s of the native engine vs Hugging Face `generate` vs the bandwidth bound.
+"""Output tokens/s of the native engine vs vLLM vs Hugging Face `generate` vs the bandwidth bound.
 
     python -m scripts.bench_generate [--out DIR]   # H200: Qwen3-0.6B shape, bf16, 256 x (512 + 512)
     python -m scripts.bench_generate --smoke       # tiny model on CPU, seconds
@@ -177,6 +177,54 @@ def run_engine(model, args, prompts: np.ndarray, device, dtype_name: str, attent
         "host_wall_s_by_phase": dict(phases),
         "graph_replay_ms": replay,
     }
+
+
+def run_vllm(model, args, prompts: np.ndarray, device, dtype_name: str) -> dict:
+    """The same requests through the vllm backend (`VllmEngine`, what a run with
+    generator.backend = "vllm" generates with)."""
+    import tempfile
+
+    from torchtitan_rl.generation.vllm_engine import VllmEngine
+
+    config = EngineConfig(
+        backend="vllm",
+        max_num_seqs=args.num_requests,
+        max_seq_len=args.prompt_len + args.output_len,
+        dtype=dtype_name,
+        block_size=16 if device.type == "cuda" else 32,
+        max_steps_per_iteration=16,
+        enable_prefix_cache=False,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = export_folder(model, Path(tmp) / "hf")
+        adapter = Qwen3StateDictAdapter(model.model_args, None)
+        t0 = time.perf_counter()
+        engine = VllmEngine(folder, config, device, state_dict_adapter=adapter)
+        setup_s = time.perf_counter() - t0
+
+    async def generate(max_tokens: int):
+        return await asyncio.gather(
+            *(
+                engine.generate(
+                    p,
+                    request_id=str(i),
+                    sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i),
+                )
+                for i, p in enumerate(prompts)
+            )
+        )
+
+    async def main():
+        await generate(4)
+        t0 = time.perf_counter()
+        outs = await generate(args.output_len)
+        wall = time.perf_counter() - t0
+        await engine.close()
+        return outs, wall
+
+    outs, wall = asyncio.run(main())
+    tokens = sum(c.num_tokens for c in outs)
+    return {"output_tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall, "setup_s": setup_s}
 
 
 def time_phases(engine: Engine) -> dict[str, float]:
@@ -482,6 +530,15 @@ def main() -> None:
         torch.cuda.empty_cache() if device.type == "cuda" else None
         save()
         print(f"{key}: {results[key]}", flush=True)
+    if importlib.util.find_spec("vllm") is None:
+        print("vLLM: skipped (vllm is not installed)", flush=True)
+    elif device.type == "cuda":  # on CPU: --cpu-default has the vLLM row
+        try:
+            results["vllm"] = run_vllm(model, args, prompts, device, dtype_name)
+        except Exception as exc:  # reported, the other rows still run
+            results["vllm"] = {"error": f"{type(exc).__name__}: {exc}"}
+        save()
+        print(f"vllm: {results['vllm']}", flush=True)
     if not args.skip_hf and importlib.util.find_spec("transformers") is None:
         print("HF transformers generate: skipped (transformers is not installed)", flush=True)
     elif not args.skip_hf:
@@ -499,6 +556,10 @@ def print_table(results: dict) -> None:
         for k in results
         if k.startswith("engine_")
     ]
+    if "vllm" in results:
+        rows.append(
+            ("vLLM (generator.backend = vllm)", results["vllm"].get("tok_per_s", float("nan")))
+        )
     if "hf" in results:
         rows.append(
             (
