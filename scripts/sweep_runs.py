@@ -89,7 +89,9 @@ def main() -> None:
             rows.append(result(out, name, proc.returncode, time.time() - t0))
             print_row(rows[-1])
             (out / "sweep.json").write_text(json.dumps(rows, indent=2))
-    print("\n| run | before RL | end | gain | best | RL steps | wall s |\n|---|---|---|---|---|---|---|")
+    print(
+        "\n| run | before RL | end | gain | best | RL steps | wall s |\n|---|---|---|---|---|---|---|"
+    )
     for r in rows:
         print_row(r, table=True)
 

@@ -202,3 +202,21 @@ def test_three_rl_steps_through_monarch_with_vllm(tmp_path):
     assert (tmp_path / "vllm" / "generator_start_hf" / "config.json").is_file(), "vLLM started"
     assert all(m["trainer/logprob_diff/max"] < np.log(1.01) for m in steps)
     assert max(m["rollout/num_turns/mean"] for m in steps) > 1, "multi-turn rollouts"
+
+
+def test_close_leaves_no_process_group(tmp_path):
+    """vLLM's in-process engine core makes a torch.distributed group; close undoes it, so
+    the process (a test session, an actor) can make its own afterwards."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(), VOCAB, torch.device("cpu"))
+    folder = export_hf(model.state_dict(), model.model_args, tmp_path / "m")
+    config = EngineConfig(backend="vllm", block_size=32, max_num_seqs=4, max_seq_len=128)
+
+    async def run():
+        engine = build_engine(ModelConfig(), config, VOCAB, torch.device("cpu"), str(folder))
+        assert torch.distributed.is_initialized()
+        await engine.generate(PROMPT, request_id="x", sampling=SamplingParams(max_tokens=2))
+        await engine.close()
+
+    asyncio.run(run())
+    assert not torch.distributed.is_initialized()

@@ -157,6 +157,8 @@ class VllmEngine:
             self._wake.set()
 
     async def close(self) -> None:
+        """Fails outstanding requests, stops the loop, shuts vLLM down and undoes the
+        process group its in-process engine core made (so the process can make its own)."""
         if self._closed:
             return
         self._closed = True
@@ -164,6 +166,11 @@ class VllmEngine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self._llm.engine_core.shutdown()
+        del self._llm
+        cleanup_dist_env_and_memory()
 
     # ---- the loop ---------------------------------------------------------------------
     def _ensure_loop(self) -> None:
