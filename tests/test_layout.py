@@ -58,3 +58,15 @@ def test_no_module_outside_envs_imports_an_environment():
         if not module.startswith("torchtitan_rl.envs")
     }
     assert {m: d for m, d in offenders.items() if d} == {}
+
+
+def test_both_backends_implement_the_engine_interface():
+    """The generator actor drives one interface; each backend has every member of it."""
+    from torchtitan_rl.generation.engine import Engine
+    from torchtitan_rl.generation.interface import GenerationEngine
+    from torchtitan_rl.generation.vllm_engine import VllmEngine
+
+    members = {"policy_version", "generate", "load_weights", "close"}
+    assert members <= set(vars(GenerationEngine))
+    for cls in (Engine, VllmEngine):
+        assert members <= set(dir(cls)), cls

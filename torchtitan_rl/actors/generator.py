@@ -13,6 +13,7 @@ from monarch.actor import Actor, concurrent_endpoint
 from torchtitan_rl.actors.fault_log import enable_fault_log
 from torchtitan_rl.device import pick_device
 from torchtitan_rl.generation.engine import Engine, EngineConfig
+from torchtitan_rl.generation.interface import GenerationEngine
 from torchtitan_rl.models.qwen3 import ModelConfig, build_model, model_args
 from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 from torchtitan_rl.weight_sync.packing import (
@@ -24,7 +25,9 @@ from torchtitan_rl.weight_sync.packing import (
 )
 
 
-def build_engine(model: ModelConfig, engine: EngineConfig, vocab_size: int, device, hf_folder: str):
+def build_engine(
+    model: ModelConfig, engine: EngineConfig, vocab_size: int, device, hf_folder: str
+) -> GenerationEngine:
     """The engine `engine.backend` names, with the policy's weights (`hf_folder` for vllm)."""
     if engine.backend == "vllm":
         from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
