@@ -14,8 +14,9 @@ from torchtitan_rl.envs.base import (
     Rubric,
     StepResult,
 )
+from torchtitan_rl.envs.countdown import Countdown
 
-ENVS: dict[str, type[Environment]] = {"alphabet_sort": AlphabetSort}
+ENVS: dict[str, type[Environment]] = {"alphabet_sort": AlphabetSort, "countdown": Countdown}
 """The built-in environments, by the name `env.name` selects."""
 
 

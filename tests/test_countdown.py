@@ -1,0 +1,102 @@
+"""Countdown: every puzzle is solvable, the reward is exact and never raises."""
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchtitan_rl.config import load_config
+from torchtitan_rl.envs.arithmetic import Invalid, Parsed, parse
+from torchtitan_rl.envs.base import EnvConfig
+from torchtitan_rl.envs.countdown import Countdown, CountdownConfig, last_score, score_reply, solve
+from torchtitan_rl.models.renderer import Renderer
+from torchtitan_rl.models.tokenizer import Tokenizer
+from torchtitan_rl.types import Rollout
+
+SAMPLE = {"numbers": [3, 7, 12], "target": 33, "solution": "3*7+12"}
+
+
+def _env(seed=0, **args):
+    return Countdown(EnvConfig(max_turns=1), seed, CountdownConfig(**args))
+
+
+@pytest.mark.parametrize("args", [{}, {"min_numbers": 4, "max_numbers": 4}])
+def test_every_puzzle_has_a_solution_that_scores_one(args):
+    env = _env(**args)
+    samples = [env.train_sample(i) for i in range(-20, 60)] + env.validation_samples(40)
+    for s in samples:
+        parsed = parse(s["solution"])
+        assert isinstance(parsed, Parsed) and parsed.value == s["target"], s
+        assert 1 <= s["target"] <= env.section.max_target and s["target"] not in s["numbers"]
+        reply = env.demonstration(s)[-1]["content"]
+        assert score_reply(reply, s, 0.1) == 1.0
+
+
+def test_splits_are_disjoint_and_deterministic():
+    env = _env()
+    key = lambda s: (tuple(sorted(s["numbers"])), s["target"])  # noqa: E731
+    train = {key(env.train_sample(i)) for i in range(300)}
+    validation = {key(s) for s in env.validation_samples(64)}
+    assert not train & validation
+    assert env.validation_samples(5) == _env().validation_samples(5)
+    assert env.train_sample(3) == _env().train_sample(3) != _env(seed=1).train_sample(3)
+
+
+@pytest.mark.parametrize(
+    "reply, score",
+    [
+        ("<answer>3*7+12</answer>", 1.0),
+        ("<answer>(12 + 3 * 7)</answer>", 1.0),
+        ("thinking... <answer>3+7+12</answer>", 0.1),  # well formed, wrong value
+        ("<answer>7*7-12-3</answer>", 0.0),  # 7 used twice
+        ("<answer>33</answer>", 0.0),  # not a given number
+        ("<answer>3*7+12", 0.0),  # no closing tag
+        ("3*7+12", 0.0),
+        ("<answer>__import__('os').system('ls')</answer>", 0.0),
+        ("<answer>2**1000</answer>", 0.0),
+        ("<answer>12/(7-7)</answer>", 0.0),
+        ("<answer>-3+36</answer>", 0.0),  # unary minus is not allowed
+        ("<answer>3.0*7+12</answer>", 0.0),
+        ("<answer>" + "(" * 500 + "3" + ")" * 500 + "</answer>", 0.0),
+        ("<answer>３*7+12</answer>", 0.0),  # a full-width digit
+        ("", 0.0),
+    ],
+)
+def test_reply_scores(reply, score):
+    assert score_reply(reply, SAMPLE, 0.1) == score
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=60))
+def test_any_text_scores_without_raising(text):
+    assert score_reply(f"<answer>{text}</answer>", SAMPLE, 0.1) in (0.0, 0.1, 1.0)
+    assert isinstance(parse(text), Parsed | Invalid)
+
+
+def test_solver_finds_solutions_and_reports_none():
+    assert solve([3, 7, 12], 33) is not None
+    assert solve([1, 1], 50) is None
+
+
+def test_env_plays_one_turn_and_the_rubric_reads_its_score():
+    env = _env()
+    sample = env.train_sample(0)
+    played = env.make_env(sample)
+    messages = asyncio.run(played.init())
+    result = asyncio.run(played.step(env.demonstration(sample)[-1]["content"]))
+    assert result.done and not result.messages and result.reward_signals["countdown_score"] == 1
+    assert str(sample["target"]) in messages[0]["content"]
+    empty = Rollout(group_id=0, rollout_id=0, session_id="s", sample=sample)
+    assert last_score(empty) == 0.0  # truncated before any turn: 0, no error
+
+
+def test_the_config_runs_countdown_and_its_demonstrations_fit():
+    config = load_config("train_configs/countdown_tiny.toml")
+    assert config.env.name == "countdown"
+    env = Countdown(config.env, 0, config.env_args())
+    renderer = Renderer(Tokenizer.from_file(None))
+    longest = max(
+        len(renderer.render_prompt(env.demonstration(env.train_sample(i)))) for i in range(200)
+    )
+    assert longest <= config.batcher.seq_len

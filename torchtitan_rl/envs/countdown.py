@@ -1,0 +1,199 @@
+"""Countdown: reach a target with a few numbers and + - * / (TinyZero's RL benchmark).
+
+    user:      Use 3, 7, 12 to make 33. Each number at most once; + - * / and ( ).
+               Answer inside <answer> tags.
+    assistant: <answer>3*7+12</answer>        -> 1.0
+    assistant: <answer>3+7+12</answer>        -> partial_score (well formed, allowed
+                                                 numbers, value 22 != 33)
+    assistant: <answer>33</answer>            -> 0 (33 is not one of the numbers)
+
+Puzzles are drawn offline from (seed, index): numbers in [1, max_number], the target the
+value of a random expression over some of them, kept when it is a whole number in
+[1, max_target]. `solve` searches every expression tree (exact fractions) and writes the
+demonstration, so every puzzle has a known solution. Answers are parsed by
+`envs/arithmetic.py` (an AST walk, never `eval`); anything else scores 0 without raising.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import cache
+from typing import Any
+
+from torchtitan_rl.envs.arithmetic import Parsed, parse
+from torchtitan_rl.envs.base import EnvConfig, Environment, MessageEnv, Rubric, StepResult
+from torchtitan_rl.types import Message, Rollout
+
+SCORE = "countdown_score"
+VALIDATION_ONE_IN = 8
+MAX_DRAWS = 10_000
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+
+
+@dataclass(kw_only=True, slots=True)
+class CountdownConfig:
+    """Countdown's settings: the `[env.args]` table."""
+
+    min_numbers: int = 3
+    """Fewest numbers per puzzle, in [2, max_numbers]."""
+    max_numbers: int = 3
+    """Most numbers per puzzle, in [min_numbers, 4]."""
+    max_number: int = 12
+    """Numbers are drawn from [1, max_number], >= 2."""
+    max_target: int = 60
+    """Targets are whole numbers in [1, max_target]."""
+    partial_score: float = 0.1
+    """Score of a well-formed answer (only given numbers, each at most once) with the wrong
+    value, in [0, 1)."""
+
+    def validate(self) -> None:
+        if not 2 <= self.min_numbers <= self.max_numbers <= 4:
+            raise ValueError(
+                "env.args: need 2 <= min_numbers <= max_numbers <= 4, got "
+                f"{self.min_numbers}, {self.max_numbers}"
+            )
+        if self.max_number < 2 or self.max_target < 1:
+            raise ValueError(
+                f"env.args: max_number must be >= 2 and max_target >= 1, got "
+                f"{self.max_number}, {self.max_target}"
+            )
+        if not 0 <= self.partial_score < 1:
+            raise ValueError(f"env.args.partial_score must be in [0, 1), got {self.partial_score}")
+
+
+@cache
+def _expressions(numbers: tuple[int, ...]) -> dict[Fraction, str]:
+    """Every value reachable with a sub-multiset of `numbers` (each used at most once),
+    mapped to its shortest expression."""
+    out: dict[Fraction, str] = {}
+    items = [(Fraction(n), str(n)) for n in numbers]
+    _search(items, out)
+    return out
+
+
+def _search(items: list[tuple[Fraction, str]], out: dict[Fraction, str]) -> None:
+    for value, text in items:
+        if value not in out or len(text) < len(out[value]):
+            out[value] = text
+    for i in range(len(items)):
+        for j in range(len(items)):
+            if i == j:
+                continue
+            (a, ta), (b, tb) = items[i], items[j]
+            rest = [x for k, x in enumerate(items) if k not in (i, j)]
+            options = [(a + b, f"{ta}+{tb}"), (a * b, f"({ta})*({tb})"), (a - b, f"{ta}-({tb})")]
+            if b != 0:
+                options.append((a / b, f"({ta})/({tb})"))
+            for value, text in options:
+                _search([*rest, (value, _tidy(text))], out)
+
+
+def _tidy(text: str) -> str:
+    """Drops parentheses around a bare number: "(3)*(4)" -> "3*4"."""
+    return re.sub(r"\((\d+)\)", r"\1", text)
+
+
+def solve(numbers: list[int], target: int) -> str | None:
+    """The shortest expression found for `target`, or None when there is none."""
+    return _expressions(tuple(sorted(numbers))).get(Fraction(target))
+
+
+def user_prompt(sample: dict[str, Any]) -> str:
+    numbers = ", ".join(str(n) for n in sample["numbers"])
+    return (
+        f"Use {numbers} to make {sample['target']}. Each number at most once; + - * / and "
+        "( ). Answer inside <answer> tags."
+    )
+
+
+def score_reply(reply: str, sample: dict[str, Any], partial: float) -> float:
+    """1 for a correct expression, `partial` for a well-formed wrong one, else 0."""
+    found = ANSWER.findall(reply)
+    if not found:
+        return 0.0
+    parsed = parse(found[-1])
+    if not isinstance(parsed, Parsed):
+        return 0.0
+    if Counter(parsed.numbers) - Counter(sample["numbers"]):
+        return 0.0  # a number not given, or given fewer times
+    return 1.0 if parsed.value == sample["target"] else partial
+
+
+def last_score(rollout: Rollout) -> float:
+    """The score of the one turn; 0 if it never ran (a truncated rollout)."""
+    return rollout.turns[-1].reward_signals.get(SCORE, 0.0) if rollout.turns else 0.0
+
+
+class CountdownEnv(MessageEnv):
+    def __init__(self, sample: dict[str, Any], config: CountdownConfig):
+        self.sample = sample
+        self.config = config
+
+    async def init(self) -> list[Message]:
+        return [{"role": "user", "content": user_prompt(self.sample)}]
+
+    async def step(self, assistant_message: str) -> StepResult:
+        score = score_reply(assistant_message, self.sample, self.config.partial_score)
+        return StepResult(messages=[], done=True, reward_signals={SCORE: score})
+
+
+class Countdown(Environment):
+    """Samples are `{"numbers": [int, ...], "target": int, "solution": str}`."""
+
+    config_class = CountdownConfig
+
+    def __init__(self, config: EnvConfig, seed: int, args: CountdownConfig | None = None):
+        super().__init__(config, seed, args)
+        self.section: CountdownConfig = self.args
+
+    def _draw(self, rng: random.Random) -> dict[str, Any] | None:
+        s = self.section
+        numbers = [
+            rng.randint(1, s.max_number) for _ in range(rng.randint(s.min_numbers, s.max_numbers))
+        ]
+        reachable = [
+            v for v in _expressions(tuple(sorted(numbers)))
+            if v.denominator == 1 and 1 <= v <= s.max_target and v not in numbers
+        ]  # fmt: skip
+        if not reachable:
+            return None
+        target = int(rng.choice(sorted(reachable)))
+        return {"numbers": numbers, "target": target, "solution": solve(numbers, target)}
+
+    def _sample(self, split: str, index: int) -> dict[str, Any]:
+        rng = random.Random(f"countdown/{split}/{self.seed}/{index}")
+        for _ in range(MAX_DRAWS):
+            sample = self._draw(rng)
+            if sample is not None and is_validation(sample) == (split == "validation"):
+                return sample
+        raise AssertionError(f"no {split} sample after {MAX_DRAWS} draws")
+
+    def train_sample(self, index: int) -> dict[str, Any]:
+        return self._sample("train", index)
+
+    def validation_samples(self, n: int) -> list[dict[str, Any]]:
+        return [self._sample("validation", i) for i in range(n)]
+
+    def make_env(self, sample: dict[str, Any]) -> CountdownEnv:
+        return CountdownEnv(sample, self.section)
+
+    def rubric(self) -> Rubric:
+        return Rubric([(SCORE, last_score, 1.0)])
+
+    def demonstration(self, sample: dict[str, Any]) -> list[Message]:
+        return [
+            {"role": "user", "content": user_prompt(sample)},
+            {"role": "assistant", "content": f"<answer>{sample['solution']}</answer>"},
+        ]
+
+
+def is_validation(sample: dict[str, Any]) -> bool:
+    content = json.dumps([sorted(sample["numbers"]), sample["target"]]).encode()
+    digest = hashlib.blake2b(content, digest_size=8).digest()
+    return int.from_bytes(digest, "little") % VALIDATION_ONE_IN == 0
