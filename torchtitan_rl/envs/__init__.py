@@ -14,9 +14,14 @@ from torchtitan_rl.envs.base import (
     Rubric,
     StepResult,
 )
+from torchtitan_rl.envs.calculator import Calculator
 from torchtitan_rl.envs.countdown import Countdown
 
-ENVS: dict[str, type[Environment]] = {"alphabet_sort": AlphabetSort, "countdown": Countdown}
+ENVS: dict[str, type[Environment]] = {
+    "alphabet_sort": AlphabetSort,
+    "countdown": Countdown,
+    "calculator": Calculator,
+}
 """The built-in environments, by the name `env.name` selects."""
 
 
