@@ -157,6 +157,35 @@ def test_weights_apply_with_a_version_and_never_reuse_older_keys(engines):
     assert np.abs(after.logprobs_N - again.logprobs_N).max() > 1e-3, "the weights changed"
 
 
+def test_hot_swap_mid_request_keeps_versions_and_never_serves_old_keys(engines):
+    """Weights pulled while a request runs: it finishes with the tokens of both versions
+    (min < max); a request arriving meanwhile waits for the prefix cache reset, so it reuses
+    no block computed under the old weights."""
+    loop, vllm_engine, native = engines
+    before = vllm_engine.policy_version
+
+    async def run():
+        long = asyncio.ensure_future(
+            vllm_engine.generate(
+                PROMPT, request_id="long", sampling=SamplingParams(max_tokens=96, seed=1)
+            )
+        )
+        while not vllm_engine._running:  # admitted and stepping
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        state = {k: v * 0.97 for k, v in native.runner.model.state_dict().items()}
+        vllm_engine.load_weights(state, before + 1)
+        late = await vllm_engine.generate(
+            PROMPT, request_id="late", sampling=SamplingParams(temperature=0.0, max_tokens=2)
+        )
+        return await long, late
+
+    long, late = _run(loop, run())
+    assert (long.policy_version_min, long.policy_version_max) == (before, before + 1)
+    assert late.policy_version_min == before + 1
+    assert late.metrics["generator/prefix_hit_tokens"] == 0
+
+
 @pytest.mark.slow
 def test_three_rl_steps_through_monarch_with_vllm(tmp_path):
     """The default tiny job with the vllm backend, multi-turn AlphabetSort and top-p 0.8:
