@@ -1,7 +1,10 @@
 """Countdown: every puzzle is solvable, the reward is exact and never raises."""
 
 import asyncio
+from collections import Counter
+from fractions import Fraction
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,12 +12,34 @@ from hypothesis import strategies as st
 from torchtitan_rl.config import load_config
 from torchtitan_rl.envs.arithmetic import Invalid, Parsed, parse
 from torchtitan_rl.envs.base import EnvConfig
-from torchtitan_rl.envs.countdown import Countdown, CountdownConfig, last_score, score_reply, solve
+from torchtitan_rl.envs.countdown import (
+    Countdown,
+    CountdownConfig,
+    expressions,
+    last_score,
+    score_reply,
+    solve,
+)
 from torchtitan_rl.models.renderer import Renderer
 from torchtitan_rl.models.tokenizer import Tokenizer
-from torchtitan_rl.types import Rollout
+from torchtitan_rl.types import Completion, FinishReason, Rollout, RolloutTurn
 
 SAMPLE = {"numbers": [3, 7, 12], "target": 33, "solution": "3*7+12"}
+
+
+def turn_with(signals: dict[str, float]) -> RolloutTurn:
+    completion = Completion(
+        request_id="r",
+        token_ids_N=np.zeros(1, dtype=np.int32),
+        logprobs_N=np.zeros(1, dtype=np.float32),
+        finish_reason=FinishReason.LENGTH,
+    )
+    return RolloutTurn(
+        prompt_ids=np.zeros(1, dtype=np.int32),
+        completion=completion,
+        assistant_text="",
+        reward_signals=signals,
+    )
 
 
 def _env(seed=0, **args):
@@ -60,6 +85,10 @@ def test_splits_are_disjoint_and_deterministic():
         ("<answer>3.0*7+12</answer>", 0.0),
         ("<answer>" + "(" * 500 + "3" + ")" * 500 + "</answer>", 0.0),
         ("<answer>３*7+12</answer>", 0.0),  # a full-width digit
+        ("<answer>" + "3+" * 5000 + "7</answer>", 0.0),  # past the length cap
+        ("<answer>12+7*3+9999999999999</answer>", 0.0),  # huge literal
+        ("<answer>True+32</answer>", 0.0),
+        ("<answer></answer>", 0.0),
         ("", 0.0),
     ],
 )
@@ -74,9 +103,38 @@ def test_any_text_scores_without_raising(text):
     assert isinstance(parse(text), Parsed | Invalid)
 
 
-def test_solver_finds_solutions_and_reports_none():
-    assert solve([3, 7, 12], 33) is not None
+def test_solver_writes_the_shortest_expression_with_only_needed_parentheses():
+    assert solve([3, 7, 12], 33) == "12+3*7"
+    assert solve([9, 12, 4], 27) == "12*9/4"
+    assert solve([2, 3, 4], 20) == "(2+3)*4"
+    assert solve([30, 2, 4], 5) == "30/(2+4)"
+    assert solve([3, 7, 12], 3) == "3"  # a sub-multiset suffices
+    assert solve([3, 3, 8, 8], 24) == "3*8"
+    assert solve([1, 5, 5, 5], 124) == "5*5*5-1"
     assert solve([1, 1], 50) is None
+
+
+def reference_values(items: list[Fraction]) -> set[Fraction]:
+    """Every value of every expression tree over a sub-multiset, by repeatedly replacing
+    two items with one combination of them (independent of the solver's subset split)."""
+    values = set(items)
+    for i, a in enumerate(items):
+        for j, b in enumerate(items):
+            if i != j:
+                rest = [x for k, x in enumerate(items) if k not in (i, j)]
+                for v in [a + b, a - b, a * b] + ([a / b] if b else []):
+                    values |= reference_values([*rest, v])
+    return values
+
+
+@pytest.mark.parametrize("numbers", [[3, 3, 8, 8], [1, 5, 5, 5], [2, 7, 11], [4, 9]])
+def test_solver_reaches_every_value_and_each_expression_is_right(numbers):
+    found = expressions(numbers)
+    assert set(found) == reference_values([Fraction(n) for n in numbers])
+    for value, text in found.items():
+        parsed = parse(text)
+        assert isinstance(parsed, Parsed) and parsed.value == value, text
+        assert not Counter(parsed.numbers) - Counter(numbers), text
 
 
 def test_env_plays_one_turn_and_the_rubric_reads_its_score():
@@ -89,6 +147,8 @@ def test_env_plays_one_turn_and_the_rubric_reads_its_score():
     assert str(sample["target"]) in messages[0]["content"]
     empty = Rollout(group_id=0, rollout_id=0, session_id="s", sample=sample)
     assert last_score(empty) == 0.0  # truncated before any turn: 0, no error
+    empty.turns = [turn_with({})]  # truncated: the turn was never scored
+    assert env.rubric().score(empty) == (0.0, {"countdown_score": 0.0})
 
 
 def test_the_config_runs_countdown_and_its_demonstrations_fit():

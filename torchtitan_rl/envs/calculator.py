@@ -1,17 +1,26 @@
 """Calculator: multi-turn tool use on arithmetic a tiny model cannot do in its head.
 
-    user:      What is 417 * 238? Use <calc>expression</calc> to compute; answer inside
-               <answer> tags.
-    assistant: <calc>417*238</calc>
-    user:      result: 99246                   (the tool's reply: in the tokens, out of the loss)
-    assistant: <answer>99246</answer>          -> 1.0, done
+A sample `{"a": 417, "op": "*", "b": 238}` played with the demonstration's replies:
 
-An assistant turn holding an <answer> ends the rollout: 1 for the right integer, else 0.
-Otherwise a <calc> block is evaluated by `envs/arithmetic.py` (an AST walk over integers and
-+ - *, never `eval`) and the result (or "error: ...") comes back as the next user message. A
-turn with neither, or a call beyond `max_tool_calls`, ends the rollout with 0. The rubric also
-records, at weight 0, the tool calls per rollout and whether the tool was used
-(`rollout_reward/tool_calls`, `rollout_reward/used_tool` in TensorBoard).
+    user:      What is 417 * 238? Call <calc>expression</calc>; answer in <answer> tags.
+    assistant: <calc>417*238</calc>            -> tool_call 1.0
+    user:      result: 99246                   (the tool's reply: in the tokens, out of the loss)
+    assistant: <answer>99246</answer>          -> calculator_score 1.0, done
+
+    rubric: calculator_score 1.0 (weight 1), tool_calls 1.0 and used_tool 1.0 (weight 0)
+
+A turn is read in this order:
+  1. it holds a complete <answer>...</answer> block: the rollout ends, scoring 1 if the last
+     block is exactly one integer (optional sign, at most `MAX_ANSWER_DIGITS` digits, spaces
+     around it allowed) equal to the answer, else 0;
+  2. it holds a <calc>...</calc> block and fewer than `max_tool_calls` calls were made: the
+     last block is evaluated by `envs/arithmetic.py` (an AST walk over non-negative integer
+     literals, + - * and parentheses, every value bounded; never `eval`) and the next user
+     message is "result: N" or "error: <why>"; a refused expression still counts as a call;
+  3. otherwise (no tag, or a call beyond `max_tool_calls`) the rollout ends with 0.
+A rollout cut off before an answer (turn or token budget) scores 0. The weight-0 rubric
+functions record the tool calls per rollout and whether the tool was used at all
+(`rollout_reward/tool_calls`, `rollout_reward/used_tool`), without changing the reward.
 """
 
 from __future__ import annotations
@@ -29,12 +38,22 @@ from torchtitan_rl.envs.base import EnvConfig, Environment, MessageEnv, Rubric, 
 from torchtitan_rl.types import Message, Rollout
 
 SCORE = "calculator_score"
+"""Key of the final answer's score in `StepResult.reward_signals` (and the rubric's name)."""
 CALLED = "tool_call"
+"""Key set to 1.0 in the signals of a turn whose calculator call was answered."""
+MAX_DIGITS = 6
+"""Most digits of an operand: 6-digit products stay under arithmetic.MAX_ABS = 10**12."""
+MAX_ANSWER_DIGITS = 20
+"""Longer "integers" in <answer> are wrong, never parsed (int() refuses > 4300 digits)."""
 VALIDATION_ONE_IN = 8
+"""One sample content in this many is held out for validation (decided by a content hash)."""
+MAX_DRAWS = 10_000
+"""Redraws allowed to land a sample on its split; reaching it means a broken hash split."""
 CALC = re.compile(r"<calc>(.*?)</calc>", re.DOTALL | re.IGNORECASE)
-ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>", re.IGNORECASE)
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+INTEGER = re.compile(rf"-?[0-9]{{1,{MAX_ANSWER_DIGITS}}}")
 OPERATORS = {"*": ast.Mult, "+": ast.Add, "-": ast.Sub}
-TOOL_OPERATORS = (ast.Add, ast.Sub, ast.Mult)
+"""The question operators `operations` may name, and the calculator's AST operators."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,15 +65,20 @@ class CalculatorConfig:
     max_digits: int = 3
     """Most digits of each operand, in [min_digits, 6]."""
     operations: str = "*"
-    """Operators drawn from, any of "*+-" (each question has one)."""
+    """Operators drawn from, any non-empty mix of "*", "+", "-" (each question has one)."""
     max_tool_calls: int = 2
-    """Calculator calls allowed per rollout (>= 1); env.max_turns must be > max_tool_calls."""
+    """Calculator calls allowed per rollout (>= 1); one more ends the rollout with 0.
+    env.max_turns must be >= max_tool_calls + 1 (a turn left to answer)."""
 
     def validate(self) -> None:
-        if not 1 <= self.min_digits <= self.max_digits <= 6:
+        if not 1 <= self.min_digits <= MAX_DIGITS:
             raise ValueError(
-                "env.args: need 1 <= min_digits <= max_digits <= 6, got "
-                f"{self.min_digits}, {self.max_digits}"
+                f"env.args.min_digits must be in [1, {MAX_DIGITS}], got {self.min_digits}"
+            )
+        if not self.min_digits <= self.max_digits <= MAX_DIGITS:
+            raise ValueError(
+                f"env.args.max_digits must be in [min_digits={self.min_digits}, {MAX_DIGITS}], "
+                f"got {self.max_digits}"
             )
         if not self.operations or set(self.operations) - set(OPERATORS):
             raise ValueError(
@@ -66,8 +90,8 @@ class CalculatorConfig:
 
 def user_prompt(sample: dict[str, Any]) -> str:
     return (
-        f"What is {sample['a']} {sample['op']} {sample['b']}? Use <calc>expression</calc> "
-        "to compute; answer inside <answer> tags."
+        f"What is {sample['a']} {sample['op']} {sample['b']}? Call <calc>expression</calc>; "
+        "answer in <answer> tags."
     )
 
 
@@ -77,14 +101,21 @@ def answer_of(sample: dict[str, Any]) -> int:
 
 
 def tool_reply(expression: str) -> str:
-    """What the calculator says about `expression`."""
-    parsed = parse(expression, allowed=TOOL_OPERATORS)
+    """What the calculator says about `expression`: "result: N" or "error: <why>"."""
+    parsed = parse(expression, allowed=tuple(OPERATORS.values()))
     if isinstance(parsed, Parsed):
         return f"result: {format_value(parsed.value)}"
     return f"error: {parsed.reason}"
 
 
+def answer_score(block: str, sample: dict[str, Any]) -> float:
+    """1.0 if the <answer> block is exactly the right integer, else 0.0."""
+    text = block.strip()
+    return float(INTEGER.fullmatch(text) is not None and int(text) == answer_of(sample))
+
+
 def final_score(rollout: Rollout) -> float:
+    """The answer turn's score; a rollout that never answered (or got cut off) scores 0."""
     return rollout.turns[-1].reward_signals.get(SCORE, 0.0) if rollout.turns else 0.0
 
 
@@ -97,6 +128,8 @@ def used_tool(rollout: Rollout) -> float:
 
 
 class CalculatorEnv(MessageEnv):
+    """Plays one sample: answers calculator calls until an <answer> (or a rule) ends it."""
+
     def __init__(self, sample: dict[str, Any], config: CalculatorConfig):
         self.sample = sample
         self.config = config
@@ -106,10 +139,10 @@ class CalculatorEnv(MessageEnv):
         return [{"role": "user", "content": user_prompt(self.sample)}]
 
     async def step(self, assistant_message: str) -> StepResult:
-        answer = ANSWER.findall(assistant_message)
-        if answer:
-            right = int(answer[-1]) == answer_of(self.sample)
-            return StepResult(messages=[], done=True, reward_signals={SCORE: float(right)})
+        answers = ANSWER.findall(assistant_message)
+        if answers:
+            score = answer_score(answers[-1], self.sample)
+            return StepResult(messages=[], done=True, reward_signals={SCORE: score})
         calls = CALC.findall(assistant_message)
         if not calls or self.calls >= self.config.max_tool_calls:
             return StepResult(messages=[], done=True, reward_signals={SCORE: 0.0})
@@ -138,8 +171,10 @@ class Calculator(Environment):
         return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1)
 
     def _sample(self, split: str, index: int) -> dict[str, Any]:
+        # Which split a sample belongs to is a function of its content, so the two
+        # sets are disjoint; each (split, seed, index) has its own random stream.
         rng = random.Random(f"calculator/{split}/{self.seed}/{index}")
-        while True:  # a sample lands on its split with odds 1/8 or 7/8
+        for _ in range(MAX_DRAWS):
             sample = {
                 "a": self._operand(rng),
                 "op": rng.choice(self.section.operations),
@@ -147,6 +182,7 @@ class Calculator(Environment):
             }
             if is_validation(sample) == (split == "validation"):
                 return sample
+        raise AssertionError(f"no {split} sample after {MAX_DRAWS} draws")
 
     def train_sample(self, index: int) -> dict[str, Any]:
         return self._sample("train", index)

@@ -7,11 +7,13 @@
                                                  numbers, value 22 != 33)
     assistant: <answer>33</answer>            -> 0 (33 is not one of the numbers)
 
-Puzzles are drawn offline from (seed, index): numbers in [1, max_number], the target the
-value of a random expression over some of them, kept when it is a whole number in
-[1, max_target]. `solve` searches every expression tree (exact fractions) and writes the
-demonstration, so every puzzle has a known solution. Answers are parsed by
-`envs/arithmetic.py` (an AST walk, never `eval`); anything else scores 0 without raising.
+Puzzles are drawn offline from (seed, index): numbers in [1, max_number], then a target
+among the whole numbers in [1, max_target] that some expression over them reaches and that
+is not itself one of them. `expressions` finds every reachable value (exact fractions,
+every split of every sub-multiset) with its shortest expression, the demonstration, so
+every puzzle has a known solution. Answers are parsed by `envs/arithmetic.py` (an AST walk,
+never `eval`; unary minus is refused, as the numbers are positive); anything else scores 0
+without raising.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import cache
 from typing import Any
 
 from torchtitan_rl.envs.arithmetic import Parsed, parse
@@ -67,41 +68,57 @@ class CountdownConfig:
             raise ValueError(f"env.args.partial_score must be in [0, 1), got {self.partial_score}")
 
 
-@cache
-def _expressions(numbers: tuple[int, ...]) -> dict[Fraction, str]:
+SUM, PRODUCT, ATOM = 1, 2, 3
+"""Precedence of an expression's top-level operator, which decides its parentheses."""
+
+
+def expressions(numbers: list[int]) -> dict[Fraction, str]:
     """Every value reachable with a sub-multiset of `numbers` (each used at most once),
-    mapped to its shortest expression."""
+    mapped to its shortest expression (ties: the alphabetically first).
+
+    Dynamic programming over subsets: the values of a subset are every operator applied to
+    the values of one of its splits into two parts, so 4 numbers cost milliseconds.
+    """
+    best: dict[int, dict[Fraction, tuple[str, int]]] = {}
+    for mask in range(1, 1 << len(numbers)):
+        if mask & (mask - 1) == 0:
+            n = numbers[mask.bit_length() - 1]
+            best[mask] = {Fraction(n): (str(n), ATOM)}
+            continue
+        found: dict[Fraction, tuple[str, int]] = {}
+        left = (mask - 1) & mask
+        while left:  # every ordered split (left, mask - left) into non-empty parts
+            for a, ea in best[left].items():
+                for b, eb in best[mask ^ left].items():
+                    for value, text, prec in _combine(a, ea, b, eb):
+                        old = found.get(value)
+                        if old is None or (len(text), text) < (len(old[0]), old[0]):
+                            found[value] = (text, prec)
+            left = (left - 1) & mask
+        best[mask] = found
     out: dict[Fraction, str] = {}
-    items = [(Fraction(n), str(n)) for n in numbers]
-    _search(items, out)
+    for found in best.values():
+        for value, (text, _) in found.items():
+            if value not in out or (len(text), text) < (len(out[value]), out[value]):
+                out[value] = text
     return out
 
 
-def _search(items: list[tuple[Fraction, str]], out: dict[Fraction, str]) -> None:
-    for value, text in items:
-        if value not in out or len(text) < len(out[value]):
-            out[value] = text
-    for i in range(len(items)):
-        for j in range(len(items)):
-            if i == j:
-                continue
-            (a, ta), (b, tb) = items[i], items[j]
-            rest = [x for k, x in enumerate(items) if k not in (i, j)]
-            options = [(a + b, f"{ta}+{tb}"), (a * b, f"({ta})*({tb})"), (a - b, f"{ta}-({tb})")]
-            if b != 0:
-                options.append((a / b, f"({ta})/({tb})"))
-            for value, text in options:
-                _search([*rest, (value, _tidy(text))], out)
-
-
-def _tidy(text: str) -> str:
-    """Drops parentheses around a bare number: "(3)*(4)" -> "3*4"."""
-    return re.sub(r"\((\d+)\)", r"\1", text)
+def _combine(a: Fraction, ea: tuple[str, int], b: Fraction, eb: tuple[str, int]):
+    """(value, text, precedence) of a+b, a-b, a*b and a/b, with only the parentheses the
+    value needs: a-(x+y), (x+y)*b, a/(x*y); a+(x-y) is written a+x-y (same value)."""
+    (ta, pa), (tb, pb) = ea, eb
+    wrap_a = f"({ta})" if pa == SUM else ta
+    yield a + b, f"{ta}+{tb}", SUM
+    yield a - b, f"{ta}-({tb})" if pb == SUM else f"{ta}-{tb}", SUM
+    yield a * b, f"{wrap_a}*({tb})" if pb == SUM else f"{wrap_a}*{tb}", PRODUCT
+    if b != 0:
+        yield a / b, f"{wrap_a}/({tb})" if pb != ATOM else f"{wrap_a}/{tb}", PRODUCT
 
 
 def solve(numbers: list[int], target: int) -> str | None:
-    """The shortest expression found for `target`, or None when there is none."""
-    return _expressions(tuple(sorted(numbers))).get(Fraction(target))
+    """The shortest expression for `target`, or None when there is none."""
+    return expressions(numbers).get(Fraction(target))
 
 
 def user_prompt(sample: dict[str, Any]) -> str:
@@ -157,14 +174,14 @@ class Countdown(Environment):
         numbers = [
             rng.randint(1, s.max_number) for _ in range(rng.randint(s.min_numbers, s.max_numbers))
         ]
+        found = expressions(numbers)
         reachable = [
-            v for v in _expressions(tuple(sorted(numbers)))
-            if v.denominator == 1 and 1 <= v <= s.max_target and v not in numbers
-        ]  # fmt: skip
+            v for v in found if v.denominator == 1 and 1 <= v <= s.max_target and v not in numbers
+        ]
         if not reachable:
             return None
-        target = int(rng.choice(sorted(reachable)))
-        return {"numbers": numbers, "target": target, "solution": solve(numbers, target)}
+        target = rng.choice(sorted(reachable))
+        return {"numbers": numbers, "target": int(target), "solution": found[target]}
 
     def _sample(self, split: str, index: int) -> dict[str, Any]:
         rng = random.Random(f"countdown/{split}/{self.seed}/{index}")
