@@ -275,3 +275,19 @@ def test_the_config_runs_calculator_and_its_demonstrations_fit():
         assert len(renderer.render_prompt(demo[:1])) <= 60
         for reply in demo[1::2]:  # each reply plus its <|im_end|> fits one completion
             assert len(renderer.tokenizer.encode(reply["content"])) + 1 <= config.rollout.max_tokens
+
+
+def test_max_digits_bounds_every_operand():
+    environment = make_env(min_digits=1, max_digits=2)
+    samples = [environment.train_sample(i) for i in range(100)]
+    samples += environment.validation_samples(20)
+    operands = [s[k] for s in samples for k in ("a", "b")]
+    assert all(0 <= x < 100 for x in operands)
+    assert any(x >= 10 for x in operands)  # 2-digit operands are drawn too
+    assert any(x < 10 for x in operands)  # and 1-digit ones (min_digits=1)
+
+
+def test_min_digits_bounds_every_operand_from_below():
+    environment = make_env(min_digits=4, max_digits=4)
+    samples = [environment.train_sample(i) for i in range(100)]
+    assert all(1000 <= s[k] < 10_000 for s in samples for k in ("a", "b"))

@@ -1,6 +1,7 @@
 """Keys whose effect no other test shows: each test fails if its key were ignored."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -152,3 +153,196 @@ def test_rollout_max_tokens_reaches_every_request():
     )  # fmt: skip
     asyncio.run(rollouter.collect_batch(1, 0, generate))
     assert {call.sampling.max_tokens for call in generate.calls} == {17}
+
+
+# ---- controller-level keys: a Controller with stand-ins for its actors ------------------
+
+TINY_JOB = Path(__file__).resolve().parents[1] / "train_configs" / "alphabet_sort_tiny.toml"
+
+
+def _controller(tmp_path, *overrides):
+    from torchtitan_rl.config import load_config
+    from torchtitan_rl.controller.loop import Controller
+
+    config = load_config(TINY_JOB, [f"--job.output_dir={tmp_path}", *overrides])
+    return Controller(config, use_tqdm=False)
+
+
+class _Endpoint:
+    """A Monarch endpoint stand-in: `call` records its arguments, answers {rank 0: fn(...)}."""
+
+    def __init__(self, fn=lambda *args: None):
+        self.fn, self.calls = fn, []
+
+    async def call(self, *args):
+        self.calls.append(args)
+        return {0: self.fn(*args)}
+
+
+class _Trainer:
+    """The trainer mesh as the controller calls it; train_step runs `core` when given."""
+
+    def __init__(self, core=None):
+        self.sft_step = _Endpoint(lambda batches, ws: {"warm_start/loss": 0.0})
+        self.end_warm_start = _Endpoint()
+        self.train_step = _Endpoint(
+            lambda updates, temperature: core.train_step([u[0] for u in updates], temperature)
+        )
+
+
+class _NoMetrics:
+    def log(self, metrics, step):
+        pass
+
+
+async def _no_sync():
+    return 0.0
+
+
+def test_model_max_seq_len_sizes_the_rope_cache_and_bounds_batcher_rows(tmp_path):
+    from torchtitan_rl.models.qwen3 import ModelConfig, build_model
+
+    model = build_model(ModelConfig(max_seq_len=48), VOCAB, torch.device("cpu"))
+    assert model.rope_cache.shape[0] == 48
+    with pytest.raises(ValueError, match="batcher.seq_len=256 exceeds model.max_seq_len=128"):
+        _controller(tmp_path, "--model.max_seq_len=128", "--warm_start.steps=0")
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_minibatches_is_the_number_of_optimizer_steps_per_rl_step(tmp_path, minibatches):
+    import asyncio
+
+    from fakes import always
+
+    from torchtitan_rl.losses.corrections import CorrectionConfig
+    from torchtitan_rl.losses.policy_loss import LossConfig
+    from torchtitan_rl.training.trainer import TrainerCore
+
+    controller = _controller(
+        tmp_path, f"--training.minibatches={minibatches}", "--warm_start.steps=0",
+        "--rollout.prompts_per_step=4", "--rollout.group_size=2",
+        "--rollout.filter_zero_std_groups=false",
+    )  # fmt: skip
+    cfg = controller.config
+    core = TrainerCore(
+        model_config=cfg.model, training=cfg.training, loss=LossConfig(),
+        correction=CorrectionConfig(), vocab_size=controller.tokenizer.vocab_size,
+        device=torch.device("cpu"), seed=0,
+    )  # fmt: skip
+    controller.trainer = _Trainer(core)
+    batch = asyncio.run(controller.rollouter.collect_batch(1, 0, always("Ann Lee")))
+    assert len(batch.groups) == 4
+    asyncio.run(controller._train(batch.groups, 1))
+    ((updates, _),) = controller.trainer.train_step.calls
+    assert len(updates) == minibatches
+    assert core.policy_version == minibatches
+
+
+def test_warm_start_batch_size_is_the_demonstrations_per_step(tmp_path):
+    import asyncio
+
+    controller = _controller(tmp_path, "--warm_start.steps=2", "--warm_start.batch_size=3")
+    controller.trainer, controller.metrics = _Trainer(), _NoMetrics()
+    controller.weight_sync = _no_sync
+    packed, pack = [], controller._pack
+
+    def counting_pack(episodes):
+        packed.append(len(episodes))
+        return pack(episodes)
+
+    controller._pack = counting_pack
+    asyncio.run(controller.warm_start())
+    assert packed == [3, 3]
+    sequences = [b[0][0].num_global_sequences for b, _ in controller.trainer.sft_step.calls]
+    assert sequences == [3, 3]
+
+
+def test_warm_start_lr_scales_the_first_supervised_update():
+    from torchtitan_rl.training.trainer_config import WarmStartConfig
+
+    def moved(lr):
+        core = _core()
+        before = {k: v.clone() for k, v in core.full_state_dict().items()}
+        core.sft_step(_batch(), core.warm_start_optimizer(WarmStartConfig(lr=lr)))
+        after = core.full_state_dict()
+        return sum(float((after[k] - before[k]).norm() ** 2) for k in before) ** 0.5
+
+    assert moved(1e-4) == pytest.approx(moved(1e-3) / 10, rel=0.05)
+
+
+def test_validation_num_samples_and_max_tokens_shape_the_greedy_requests(tmp_path):
+    import asyncio
+
+    from fakes import always
+
+    controller = _controller(
+        tmp_path, "--warm_start.steps=0", "--validation.num_samples=5",
+        "--validation.max_tokens=7",
+    )  # fmt: skip
+    controller.generate_fn, controller.metrics = always("Ann"), _NoMetrics()
+    asyncio.run(controller.validate(0))
+    calls = controller.generate_fn.calls
+    assert len(calls) == 5
+    assert {c.sampling.max_tokens for c in calls} == {7}
+    assert {c.sampling.temperature for c in calls} == {0.0}
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_checkpoint_keep_latest_is_how_many_checkpoints_survive(tmp_path, keep):
+    from torchtitan_rl.controller.checkpoints import ControllerState
+
+    store = _controller(tmp_path, f"--checkpoint.keep_latest={keep}").store
+    for step in range(1, 6):
+        tmp = store.begin(step)
+        state = ControllerState.capture(step=step, next_sample=0, last_validation=0.0, history={})
+        store.commit(tmp, step, state, "")
+    assert [s for s, _ in store.complete()] == list(range(6 - keep, 6))
+    assert len(list(store.root.iterdir())) == keep
+
+
+@pytest.mark.parametrize(("flavor", "layers", "dim"), [("tiny", 4, 128), ("small", 6, 192)])
+def test_model_flavor_picks_the_model_shape(flavor, layers, dim):
+    from torchtitan_rl.models.qwen3 import ModelConfig, build_model
+
+    model = build_model(ModelConfig(flavor=flavor, max_seq_len=64), VOCAB, torch.device("cpu"))
+    assert len(model.layers) == layers
+    assert model.tok_embeddings.weight.shape == (VOCAB, dim)
+
+
+def test_training_dtype_sets_the_trainer_compute_precision():
+    import torch.distributed as dist
+
+    logprobs = {}
+    for dtype in ("float32", "bfloat16"):
+        # the trainer always runs under a process group: one rank gets FSDP's precision policy
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            logprobs[dtype] = _core(dtype=dtype).logprobs(_batch()[0])
+        finally:
+            dist.destroy_process_group()
+    diff = np.abs(logprobs["bfloat16"] - logprobs["float32"])
+    assert diff.max() > 1e-3  # bf16 keeps 8 bits of mantissa
+    assert diff.max() < 0.2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_cuda_graphs_captures_the_decode_step(cuda_graphs):
+    import asyncio
+
+    from torchtitan_rl.types import SamplingParams
+
+    config = EngineConfig(max_seq_len=64, max_num_seqs=4, cuda_graphs=cuda_graphs)
+    engine = Engine(tiny_qwen3(), config, device="cuda")
+    assert (engine.runner.decode_graphs is not None) == cuda_graphs
+
+    async def go():
+        sampling = SamplingParams(temperature=0.0, max_tokens=8)
+        done = await engine.generate(
+            np.arange(5, dtype=np.int32), request_id="0", sampling=sampling
+        )
+        await engine.close()
+        return done
+
+    assert asyncio.run(go()).num_tokens == 8

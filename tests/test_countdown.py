@@ -160,3 +160,49 @@ def test_the_config_runs_countdown_and_its_demonstrations_fit():
         len(renderer.render_prompt(env.demonstration(env.train_sample(i)))) for i in range(200)
     )
     assert longest <= config.batcher.seq_len
+
+
+def _samples(env, n=50):
+    return [env.train_sample(i) for i in range(n)] + env.validation_samples(10)
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_min_and_max_numbers_fix_how_many_numbers_each_puzzle_has(count):
+    samples = _samples(_env(min_numbers=count, max_numbers=count))
+    assert {len(s["numbers"]) for s in samples} == {count}
+
+
+def test_numbers_range_from_min_numbers_to_max_numbers():
+    samples = _samples(_env(min_numbers=2, max_numbers=4), n=100)
+    assert {len(s["numbers"]) for s in samples} == {2, 3, 4}
+
+
+def test_max_number_bounds_every_number():
+    samples = _samples(_env(max_number=5))
+    numbers = [n for s in samples for n in s["numbers"]]
+    assert all(1 <= n <= 5 for n in numbers) and max(numbers) == 5
+    # the default (12) would draw larger numbers across as many samples
+    assert max(n for s in _samples(_env()) for n in s["numbers"]) > 5
+
+
+def test_max_target_bounds_every_target():
+    samples = _samples(_env(max_target=10))
+    assert all(1 <= s["target"] <= 10 for s in samples)
+    # the default (60) would give larger targets across as many samples
+    assert max(s["target"] for s in _samples(_env())) > 10
+
+
+def test_partial_score_is_what_a_well_formed_wrong_answer_scores():
+    for partial in (0.0, 0.25, 0.5):
+        env = _env(partial_score=partial)
+        sample = env.train_sample(0)
+        wrong = "+".join(str(n) for n in sample["numbers"])
+        if parse(wrong).value == sample["target"]:
+            wrong = "*".join(str(n) for n in sample["numbers"])
+        assert parse(wrong).value != sample["target"]
+        result = asyncio.run(env.make_env(sample).step(f"<answer>{wrong}</answer>"))
+        assert result.reward_signals["countdown_score"] == partial
+        right = env.demonstration(sample)[-1]["content"]
+        assert (
+            asyncio.run(env.make_env(sample).step(right)).reward_signals["countdown_score"] == 1.0
+        )
