@@ -84,14 +84,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--attention",
         default="",
-        help='decode attention variants, comma-separated ("gather,triton"); default: all that run here',
+        help='engine variants, comma-separated: the decode attention ("gather", "triton"), '
+        'with "-no-look-ahead" to step one step at a time; default on CUDA: '
+        '"triton,triton-no-look-ahead"',
     )
     args = p.parse_args()
     if args.smoke:
         args.num_requests, args.prompt_len, args.output_len = 8, 16, 16
     args.hf_output_len = args.hf_output_len or args.output_len
     gpu = torch.cuda.is_available() and not args.smoke
-    args.attention = (args.attention or ("gather,triton" if gpu else "gather")).split(",")
+    args.attention = (args.attention or ("triton,triton-no-look-ahead" if gpu else "gather")).split(
+        ","
+    )
     return args
 
 
@@ -123,7 +127,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_engine(model, args, prompts: np.ndarray, device, dtype_name: str, attention: str):
+def run_engine(model, args, prompts: np.ndarray, device, dtype_name: str, variant: str):
+    """`variant`: the decode attention, with "-no-look-ahead" to step one at a time."""
+    attention = variant.removesuffix("-no-look-ahead")
     config = EngineConfig(
         decode_attention=attention,
         max_num_seqs=args.num_requests,
@@ -134,7 +140,7 @@ def run_engine(model, args, prompts: np.ndarray, device, dtype_name: str, attent
         enable_prefix_cache=False,  # random prompts share nothing; keep hashing off the clock
     )
     t0 = time.perf_counter()
-    engine = Engine(model, config, device)
+    engine = Engine(model, config, device, look_ahead=None if attention == variant else False)
     setup_s = time.perf_counter() - t0
     graph_vs_padded = decode_path_difference(engine.runner, prompts[:4].tolist())
     phases = time_phases(engine)
@@ -228,8 +234,8 @@ def run_vllm(model, args, prompts: np.ndarray, device, dtype_name: str) -> dict:
 
 
 def time_phases(engine: Engine) -> dict[str, float]:
-    """Wraps the engine's step phases to add up their host wall time (no extra syncs: the
-    sampler's `.tolist()` is where the host waits for the device)."""
+    """Wraps the engine's step phases to add up their host wall time (no extra syncs:
+    `_record` is where the host waits for a step's tokens)."""
     totals: dict[str, float] = {}
 
     def timed(name, fn):
@@ -244,7 +250,9 @@ def time_phases(engine: Engine) -> dict[str, float]:
 
     engine._sched.prepare_step = timed("prepare_step", engine._sched.prepare_step)
     engine._runner.forward = timed("forward_launch", engine._runner.forward)
-    engine._sample = timed("sample_and_wait", engine._sample)
+    engine._runner.forward_decode = timed("look_ahead_launch", engine._runner.forward_decode)
+    engine._launch_sample = timed("sample_launch", engine._launch_sample)
+    engine._record = timed("record_and_wait", engine._record)
     return totals
 
 

@@ -6,7 +6,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from torchtitan_rl.generation.sampling import sample_tokens, sampling_logprobs
+from torchtitan_rl.generation.sampling import RowPlan, sample_tokens, sampling_logprobs
 
 # Near a top-p cut the fp32 and fp64 cumulative sums may disagree; such cases are skipped.
 CUT_MARGIN = 1e-5
@@ -158,6 +158,36 @@ def test_empirical_frequencies_match_probabilities():
         counts += np.bincount(out.token_ids_N.numpy(), minlength=6)
     np.testing.assert_allclose(counts / (rows * calls), probs, atol=0.015)
     assert counts[4] == counts[5] == 0
+
+
+@pytest.mark.parametrize(
+    "temps, top_ps, top_ks",
+    [
+        ([0.0, 0.5, 1.3, 2.0, 1.0], [1.0, 0.5, 0.99, 0.2, 1.0], [0, 3, 0, 40, 0]),
+        ([1.0, 0.7, 1.0], [1.0, 1.0, 1.0], [0, 0, 0]),  # nothing filters: no mask
+        ([0.0, 0.0], [0.3, 1.0], [5, 0]),  # greedy rows ignore their filters
+    ],
+)
+def test_host_plan_gives_the_same_tokens_logprobs_and_draws(temps, top_ps, top_ks):
+    n = len(temps)
+    logits_NV = torch.randn(n, 60, generator=torch.Generator().manual_seed(5))
+    rows = dict(
+        temperature_N=torch.tensor(temps),
+        top_p_N=torch.tensor(top_ps),
+        top_k_N=torch.tensor(top_ks),
+    )
+    plan = RowPlan.of(temps, top_ps, top_ks)
+    assert plan.sampled_rows == [i for i, t in enumerate(temps) if t > 0]
+    planned_gens, plain_gens = gens(*range(n)), gens(*range(n))
+    for _ in range(5):
+        planned = sample_tokens(
+            logits_NV, **rows, generators=planned_gens, return_support=True, plan=plan
+        )
+        plain = sample_tokens(logits_NV, **rows, generators=plain_gens, return_support=True)
+        assert torch.equal(planned.token_ids_N, plain.token_ids_N)
+        assert torch.equal(planned.logprobs_N, plain.logprobs_N)
+        assert all(torch.equal(a, b) for a, b in zip(planned.support, plain.support))
+    assert [g.get_state().sum() for g in planned_gens] == [g.get_state().sum() for g in plain_gens]
 
 
 def test_mismatched_row_params_are_rejected():

@@ -26,6 +26,15 @@ def pick_device(kind: str, cpu_threads: int = 0) -> torch.device:
     return torch.device("cuda", local)
 
 
+def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device's queued work: a plain
+    `.to("cuda")` of pageable memory synchronizes the stream, so it is staged through
+    pinned memory (the caching host allocator keeps it until the copy is done)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def init_process_group(device: torch.device) -> tuple[int, int]:
     """Join the trainer's process group (env set by Monarch's elastic setup); (rank, world)."""
     if not dist.is_initialized():

@@ -17,6 +17,7 @@ import bisect
 
 import torch
 
+from torchtitan_rl.device import to_device_async
 from torchtitan_rl.generation.model_runner import ModelRunner, SeqInput
 
 
@@ -65,14 +66,21 @@ class DecodeGraphs:
                 self._graphs[(b, n)] = (graph, out)
         torch.cuda.synchronize()
 
-    def run(self, batch: list[SeqInput], num_blocks: int) -> torch.Tensor:
-        """Logits `[len(batch), V]` of one decode step (a view into the graph's output)."""
+    def run(
+        self, batch: list[SeqInput], num_blocks: int, tokens_B: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits `[len(batch), V]` of one decode step (a view into the graph's output).
+        `tokens_B`: the rows' tokens already on the device (then `token_ids` is ignored)."""
         b = self.batches[bisect.bisect_left(self.batches, len(batch))]
         n = self.blocks[bisect.bisect_left(self.blocks, num_blocks)]
-        tokens_B, pos_B, table_BN = self.runner.decode_inputs(batch, b, n)
-        self._tokens_B[:b].copy_(tokens_B, non_blocking=True)
-        self._pos_B[:b].copy_(pos_B, non_blocking=True)
-        self._table_BN[:b, :n].copy_(table_BN, non_blocking=True)
+        host_tokens_B, pos_B, table_BN = self.runner.decode_inputs(batch, b, n)
+        device = self._tokens_B.device
+        if tokens_B is None:
+            self._tokens_B[:b].copy_(to_device_async(host_tokens_B, device))
+        else:  # padding rows keep earlier (valid) ids: they only write the scratch block
+            self._tokens_B[: len(batch)].copy_(tokens_B)
+        self._pos_B[:b].copy_(to_device_async(pos_B, device))
+        self._table_BN[:b, :n].copy_(to_device_async(table_BN, device))
         graph, out = self._graphs[(b, n)]
         graph.replay()
         return out[: len(batch)]

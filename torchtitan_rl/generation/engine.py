@@ -29,11 +29,11 @@ import numpy as np
 import torch
 from torchtitan.models.qwen3 import Qwen3Model
 
-from torchtitan_rl.device import DTYPES
+from torchtitan_rl.device import DTYPES, to_device_async
 from torchtitan_rl.generation.block_manager import BlockManager
 from torchtitan_rl.generation.cuda_graphs import DecodeGraphs
-from torchtitan_rl.generation.model_runner import DECODE_ATTENTION, ModelRunner, SeqInput
-from torchtitan_rl.generation.sampling import sample_tokens
+from torchtitan_rl.generation.model_runner import DECODE_ATTENTION, ModelRunner
+from torchtitan_rl.generation.sampling import RowPlan, SampleResult, sample_tokens
 from torchtitan_rl.generation.scheduler import Request, Scheduler
 from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 
@@ -131,18 +131,36 @@ class RowParams:
     top_k_N: torch.Tensor
     generators: list[torch.Generator]
     return_support: bool
+    plan: RowPlan
 
     @classmethod
     def of(cls, requests: list[Request], device: torch.device) -> RowParams:
         params = [r.sampling for r in requests]
         return cls(
+            plan=RowPlan.of(
+                [p.temperature for p in params],
+                [p.top_p for p in params],
+                [p.top_k for p in params],
+            ),
             requests=requests,
-            temperature_N=torch.tensor([p.temperature for p in params], device=device),
-            top_p_N=torch.tensor([p.top_p for p in params], device=device),
-            top_k_N=torch.tensor([p.top_k for p in params], device=device),
+            temperature_N=to_device_async(torch.tensor([p.temperature for p in params]), device),
+            top_p_N=to_device_async(torch.tensor([p.top_p for p in params]), device),
+            top_k_N=to_device_async(torch.tensor([p.top_k for p in params]), device),
             generators=[r.generator for r in requests],
             return_support=any(p.return_support for p in params),
         )
+
+
+@dataclass(slots=True)
+class _Sampled:
+    """A step's sampling as queued on the device: `token_ids_N` / `logprobs_N` are host
+    copies (pinned, on CUDA) that are valid once `ready` (None: already) has passed."""
+
+    result: SampleResult
+    token_ids_N: torch.Tensor
+    logprobs_N: torch.Tensor
+    ready: torch.cuda.Event | None
+    support_wanted: bool
 
 
 def request_error(
@@ -173,11 +191,11 @@ class ActionKind(StrEnum):
 
 @dataclass(kw_only=True, slots=True)
 class Action:
-    """One loop decision. STEP carries the forward's inputs, PULL_WEIGHTS the version to
-    apply; ADMIT only changes the scheduler's bookkeeping."""
+    """One loop decision. STEP carries how many forwards to run (`Engine._steps`),
+    PULL_WEIGHTS the version to apply; ADMIT only changes the scheduler's bookkeeping."""
 
     kind: ActionKind
-    batch: list[SeqInput] | None = None
+    num_steps: int | None = None
     version: int | None = None
 
 
@@ -192,7 +210,13 @@ class Engine:
         model: Qwen3Model,
         config: EngineConfig,
         device: torch.device | str = "cpu",
+        *,
+        look_ahead: bool | None = None,
     ) -> None:
+        """`look_ahead`: queue each forward before reading the previous step's tokens
+        (`_steps`); None: on CUDA, where it keeps the device busy while the host records
+        tokens. On CPU it only adds a wasted row per finished request (tests turn it on
+        there to check it changes no result)."""
         config.validate()
         self.config = config
         self._runner = ModelRunner(
@@ -212,6 +236,7 @@ class Engine:
             enable_prefix_cache=config.enable_prefix_cache,
         )
         self._sched = Scheduler(blocks, max_num_seqs=config.max_num_seqs)
+        self._look_ahead = self._runner.device.type == "cuda" if look_ahead is None else look_ahead
         self._pending_weights: list[tuple[dict[str, torch.Tensor], int]] = []
         self._rows: RowParams | None = None
         self._version = 0
@@ -321,11 +346,10 @@ class Engine:
             )
         if self._sched.waiting and not (drain and self._pending_weights):
             self._execute(Action(kind=ActionKind.ADMIT))
-        for _ in range(self.config.max_steps_per_iteration):
-            self._drop_cancelled()
-            if not self._sched.running:
-                break
-            self._execute(Action(kind=ActionKind.STEP, batch=self._sched.prepare_step()))
+        if self._sched.running:
+            self._execute(
+                Action(kind=ActionKind.STEP, num_steps=self.config.max_steps_per_iteration)
+            )
 
     def _execute(self, action: Action) -> None:
         if action.kind == ActionKind.PULL_WEIGHTS:
@@ -333,11 +357,46 @@ class Engine:
         elif action.kind == ActionKind.ADMIT:
             self._sched.admit(time.perf_counter())
         elif action.kind == ActionKind.STEP:
-            assert action.batch is not None
-            requests = list(self._sched.running)
-            logits_NV = self._runner.forward(action.batch)
-            self._sched.step_done(requests)
-            self._sample(requests, logits_NV)
+            assert action.num_steps is not None
+            self._steps(action.num_steps)
+
+    def _steps(self, num_steps: int) -> None:
+        """Up to `num_steps` forwards over the running batch, each followed by sampling.
+
+        Look-ahead (on by default on CUDA): once step n's sampling is queued on the device,
+        step n+1's forward is queued too, fed with step n's tokens where they lie on the
+        device, and only then does the host wait for step n's tokens, record them and
+        resolve finished requests, while the device computes step n+1. A request that
+        finished at step n (stop token, length, cancelled) got one extra row in step n+1:
+        its sampled token is dropped, its key/value write landed in a block it owned and no
+        one shares (the last, unfilled one), and the next step is prepared afresh without
+        it. Tokens and generator draws of every kept row are those of stepping one at a
+        time, log-probs too up to the rounding of a batch that still holds finished rows. No look-ahead past the last step of an iteration (weights and new
+        requests come in between iterations), when a row wants its sampling support, or
+        when the cache has no block to spare."""
+        ahead: tuple[list[Request], torch.Tensor] | None = None
+        for k in range(num_steps):
+            if ahead is None:
+                self._drop_cancelled()
+                if not self._sched.running:
+                    return
+                batch = self._sched.prepare_step()  # may preempt: take the batch after
+                requests = list(self._sched.running)
+                logits_NV = self._runner.forward(batch)
+                self._sched.step_done(requests)
+            else:
+                requests, logits_NV = ahead
+            sampled = self._launch_sample(requests, logits_NV)
+            ahead = None
+            if k + 1 < num_steps and self._look_ahead and not sampled.support_wanted:
+                if all(not r.future.done() for r in requests):
+                    batch = self._sched.look_ahead_step(requests)
+                    if batch is not None:
+                        tokens = sampled.result.token_ids_N
+                        ahead = (requests, self._runner.forward_decode(batch, tokens))
+            self._record(requests, sampled)
+            if ahead is not None:
+                self._sched.step_done([r for r in requests if not r.future.done()])
 
     def _pull_weights(self) -> None:
         for state, version in self._pending_weights:
@@ -350,8 +409,9 @@ class Engine:
         for request in [r for r in self._sched.running if r.future.done()]:
             self._sched.finish(request)
 
-    def _sample(self, requests: list[Request], logits_NV: torch.Tensor) -> None:
-        """Samples the next token of each request, then resolves those that finished."""
+    def _launch_sample(self, requests: list[Request], logits_NV: torch.Tensor) -> _Sampled:
+        """Queues the sampling of each request's next token and the copy of the results to
+        the host; waits for the device only when a row wants its support."""
         if self._rows is None or self._rows.requests != requests:  # compares by identity
             self._rows = RowParams.of(requests, logits_NV.device)
         rows = self._rows
@@ -362,10 +422,28 @@ class Engine:
             top_k_N=rows.top_k_N,
             generators=rows.generators,
             return_support=rows.return_support,
+            plan=rows.plan,
         )
+        if logits_NV.device.type != "cuda":
+            return _Sampled(out, out.token_ids_N, out.logprobs_N, None, rows.return_support)
+        token_ids_N = torch.empty(len(requests), dtype=torch.long, pin_memory=True)
+        logprobs_N = torch.empty(len(requests), dtype=torch.float32, pin_memory=True)
+        token_ids_N.copy_(out.token_ids_N, non_blocking=True)
+        logprobs_N.copy_(out.logprobs_N, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Sampled(out, token_ids_N, logprobs_N, ready, rows.return_support)
+
+    def _record(self, requests: list[Request], sampled: _Sampled) -> None:
+        """Waits for a step's tokens, appends them, resolves the requests that finished.
+        Rows of requests already finished or cancelled (a look-ahead step's) are skipped."""
+        if sampled.ready is not None:
+            sampled.ready.synchronize()
+        out = sampled.result
         now = time.perf_counter()
-        token_ids, logprobs = out.token_ids_N.tolist(), out.logprobs_N.tolist()
-        for i, request in enumerate(requests):
+        token_ids, logprobs = sampled.token_ids_N.tolist(), sampled.logprobs_N.tolist()
+        live = [(i, r) for i, r in enumerate(requests) if not r.future.done()]
+        for i, request in live:
             if not request.token_ids:
                 request.first_token_s = now
             request.token_ids.append(token_ids[i])
@@ -375,7 +453,7 @@ class Engine:
                 assert out.support is not None
                 request.support.append(out.support[i].cpu().numpy())
         inflight = len(self._sched.running)
-        for request in requests:
+        for _, request in live:
             reason = self._finish_reason(request)
             if reason is not None:
                 self._sched.finish(request)

@@ -24,6 +24,25 @@ from dataclasses import dataclass
 
 import torch
 
+from torchtitan_rl.device import to_device_async
+
+
+@dataclass(kw_only=True, slots=True)
+class RowPlan:
+    """Which rows sample and which filter (top-k / top-p), known on the host from the rows'
+    settings; lets `sample_tokens` run without reading them back from the device."""
+
+    sampled_rows: list[int]
+    """Rows with temperature > 0."""
+    filtered_rows: list[int]
+    """Sampled rows with top_k > 0 or top_p < 1."""
+
+    @classmethod
+    def of(cls, temperatures: Sequence[float], top_ps: Sequence[float], top_ks: Sequence[int]):
+        sampled = [i for i, t in enumerate(temperatures) if t > 0]
+        filtered = [i for i in sampled if top_ks[i] > 0 or top_ps[i] < 1]
+        return cls(sampled_rows=sampled, filtered_rows=filtered)
+
 
 @dataclass(kw_only=True, slots=True)
 class SampleResult:
@@ -59,15 +78,22 @@ def _filtered_support(
     temperature_N: torch.Tensor,
     top_p_N: torch.Tensor,
     top_k_N: torch.Tensor,
+    filtered_rows: Sequence[int] | None = None,
 ) -> torch.Tensor | None:
     """`support_mask`, or None when no row filters (the usual RL setting: the caller can
-    skip a full-vocabulary mask that keeps everything)."""
+    skip a full-vocabulary mask that keeps everything). `filtered_rows`, when the caller
+    knows them on the host (`RowPlan`), saves the device sync of finding them."""
     N, V = logits_NV.shape
-    filtered_N = (temperature_N > 0) & ((top_k_N > 0) | (top_p_N < 1))
-    if not bool(filtered_N.any()):
+    if filtered_rows is None:
+        filtered_N = (temperature_N > 0) & ((top_k_N > 0) | (top_p_N < 1))
+        if not bool(filtered_N.any()):
+            return None
+        rows = filtered_N.nonzero().squeeze(1)
+    elif not filtered_rows:
         return None
+    else:
+        rows = _to_device(filtered_rows, torch.long, logits_NV.device)
     keep_NV = torch.ones(N, V, dtype=torch.bool, device=logits_NV.device)
-    rows = filtered_N.nonzero().squeeze(1)
     scaled_RV = logits_NV[rows] / temperature_N[rows, None]
     # Stable descending sort puts the lower id first among equal logits.
     sorted_RV, order_RV = torch.sort(scaled_RV, dim=-1, descending=True, stable=True)
@@ -108,10 +134,15 @@ def _sampling_logprobs(
     temperature_N: torch.Tensor,
     top_p_N: torch.Tensor,
     top_k_N: torch.Tensor,
+    filtered_rows: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`sampling_logprobs` with a None mask when every row keeps the full vocabulary."""
     keep_NV = _filtered_support(
-        logits_NV, temperature_N=temperature_N, top_p_N=top_p_N, top_k_N=top_k_N
+        logits_NV,
+        temperature_N=temperature_N,
+        top_p_N=top_p_N,
+        top_k_N=top_k_N,
+        filtered_rows=filtered_rows,
     )
     # Greedy rows score at temperature 1.
     temp_N = torch.where(temperature_N > 0, temperature_N, torch.ones_like(temperature_N))
@@ -129,11 +160,14 @@ def sample_tokens(
     top_k_N: torch.Tensor,
     generators: Sequence[torch.Generator],
     return_support: bool = False,
+    plan: RowPlan | None = None,
 ) -> SampleResult:
     """Samples one token per row (see the module docstring for the conventions).
 
     `generators[i]` is row i's CPU generator; it is advanced by one draw for every sampled
-    (non-greedy) row and left alone for greedy rows.
+    (non-greedy) row and left alone for greedy rows. With `plan` (the rows' settings as the
+    host knows them) and no `return_support`, nothing here waits for the device: the
+    results are tensors still being computed, so the caller can queue more work first.
     """
     N, V = logits_NV.shape
     if not len(generators) == temperature_N.numel() == top_p_N.numel() == top_k_N.numel() == N:
@@ -142,24 +176,32 @@ def sample_tokens(
             f"{temperature_N.numel()}, {top_p_N.numel()}, {top_k_N.numel()}, {len(generators)}"
         )
     logprobs_NV, keep_NV = _sampling_logprobs(
-        logits_NV, temperature_N=temperature_N, top_p_N=top_p_N, top_k_N=top_k_N
+        logits_NV,
+        temperature_N=temperature_N,
+        top_p_N=top_p_N,
+        top_k_N=top_k_N,
+        filtered_rows=plan.filtered_rows if plan is not None else None,
     )
     device = logits_NV.device
-    sampled = [i for i, greedy in enumerate((temperature_N <= 0).tolist()) if not greedy]
+    if plan is not None:
+        sampled = plan.sampled_rows
+    else:
+        sampled = [i for i, greedy in enumerate((temperature_N <= 0).tolist()) if not greedy]
     if sampled:
         # One 0-d scratch tensor refilled per row: the same draw as `torch.rand((),
         # generator=g, dtype=torch.float64)`, at a fraction of the per-call overhead.
         draw = torch.empty((), dtype=torch.float64)
-        uniform_R = torch.tensor(
+        uniform_R = _to_device(
             [draw.uniform_(generator=generators[i]).item() for i in sampled],
-            dtype=torch.float64,
-        ).to(device)
+            torch.float64,
+            device,
+        )
     if len(sampled) == N:  # no greedy row: skip the argmax and the row selection
         token_ids_N = _inverse_cdf(logprobs_NV, uniform_R)
     else:
         token_ids_N = logits_NV.argmax(dim=-1)
         if sampled:
-            rows = torch.tensor(sampled, device=device)
+            rows = _to_device(sampled, torch.long, device)
             token_ids_N[rows] = _inverse_cdf(logprobs_NV[rows], uniform_R)
     logprobs_N = logprobs_NV.gather(1, token_ids_N[:, None]).squeeze(1)
     support = None
@@ -170,6 +212,10 @@ def sample_tokens(
         ids_M = keep_NV.nonzero()[:, 1].to(torch.int32)
         support = list(ids_M.split(keep_NV.sum(dim=1).tolist()))
     return SampleResult(token_ids_N=token_ids_N, logprobs_N=logprobs_N, support=support)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return to_device_async(torch.tensor(values, dtype=dtype), device)
 
 
 def _inverse_cdf(logprobs_RV: torch.Tensor, uniform_R: torch.Tensor) -> torch.Tensor:

@@ -149,6 +149,23 @@ class Scheduler:
             for r in self.running
         ]
 
+    def look_ahead_step(self, requests: list[Request]) -> list[SeqInput] | None:
+        """Inputs of the decode step after the one just computed for `requests`, before
+        its sampled tokens are known (they stay on the device): each row feeds one token
+        at position `num_computed`. Reserves that position's block; None (and the caller
+        steps normally, preempting if it must) when the cache has no block to spare."""
+        bs = self.blocks.block_size
+        for request in requests:
+            needed = request.num_computed + 1
+            if len(request.block_table) * bs < needed and not self.blocks.grow(
+                request.block_table, needed
+            ):
+                return None
+        return [
+            SeqInput(token_ids=[0], start=r.num_computed, block_table=r.block_table)
+            for r in requests
+        ]
+
     def step_done(self, requests: list[Request]) -> None:
         """Records that a forward wrote every pending token of `requests`; blocks it filled
         become shareable unless their request holds keys/values of older weights."""
