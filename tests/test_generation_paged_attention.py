@@ -33,7 +33,8 @@ def reference(q_BHqD, k_HRD, v_HRD, table_BN, pos_B, block_size, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_paged_decode_attention_matches_float64_reference(dtype, group):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_decode_attention_matches_float64_reference(dtype, group, splits):
     gen = torch.Generator().manual_seed(group)
     B, Hkv, D, bs, num_blocks, N = 5, 2, 64, 16, 40, 7
     k = torch.randn(Hkv, num_blocks * bs, D, generator=gen).to("cuda", dtype)
@@ -41,7 +42,9 @@ def test_paged_decode_attention_matches_float64_reference(dtype, group):
     q = torch.randn(B, Hkv * group, D, generator=gen).to("cuda", dtype)
     table = torch.randperm(num_blocks, generator=gen)[: B * N].view(B, N).to("cuda")
     pos = torch.tensor([0, 15, 16, 63, N * bs - 1], device="cuda")  # block edges included
-    out = paged_decode_attention(q, k, v, table, pos, block_size=bs, scale=D**-0.5)
+    out = paged_decode_attention(
+        q, k, v, table, pos, block_size=bs, scale=D**-0.5, tile=16, splits=splits
+    )
     ref = reference(q, k, v, table, pos, bs, D**-0.5)
     err = (out.double().cpu() - ref).norm() / ref.norm()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan_rl.device import to_device_async
+from torchtitan_rl.generation.sampling_kernel import sample_full_vocab
 
 
 @dataclass(kw_only=True, slots=True)
@@ -168,6 +169,8 @@ def sample_tokens(
     (non-greedy) row and left alone for greedy rows. With `plan` (the rows' settings as the
     host knows them) and no `return_support`, nothing here waits for the device: the
     results are tensors still being computed, so the caller can queue more work first.
+    On CUDA, with `plan`, rows that all sample from the full vocabulary take the fused
+    kernel of `sampling_kernel` (same draws, no `[N, V]` intermediates).
     """
     N, V = logits_NV.shape
     if not len(generators) == temperature_N.numel() == top_p_N.numel() == top_k_N.numel() == N:
@@ -175,13 +178,6 @@ def sample_tokens(
             f"need one temperature, top_p, top_k and generator per row ({N} rows), got "
             f"{temperature_N.numel()}, {top_p_N.numel()}, {top_k_N.numel()}, {len(generators)}"
         )
-    logprobs_NV, keep_NV = _sampling_logprobs(
-        logits_NV,
-        temperature_N=temperature_N,
-        top_p_N=top_p_N,
-        top_k_N=top_k_N,
-        filtered_rows=plan.filtered_rows if plan is not None else None,
-    )
     device = logits_NV.device
     if plan is not None:
         sampled = plan.sampled_rows
@@ -196,6 +192,17 @@ def sample_tokens(
             torch.float64,
             device,
         )
+    fused = device.type == "cuda" and logits_NV.dtype == torch.float32 and not return_support
+    if fused and plan is not None and len(sampled) == N and not plan.filtered_rows:
+        token_ids_N, logprobs_N = sample_full_vocab(logits_NV, temperature_N, uniform_R)
+        return SampleResult(token_ids_N=token_ids_N, logprobs_N=logprobs_N, support=None)
+    logprobs_NV, keep_NV = _sampling_logprobs(
+        logits_NV,
+        temperature_N=temperature_N,
+        top_p_N=top_p_N,
+        top_k_N=top_k_N,
+        filtered_rows=plan.filtered_rows if plan is not None else None,
+    )
     if len(sampled) == N:  # no greedy row: skip the argmax and the row selection
         token_ids_N = _inverse_cdf(logprobs_NV, uniform_R)
     else:
