@@ -216,4 +216,4 @@ def test_fused_full_vocabulary_kernel_matches_the_reference_sampler(vocab):
         fused = sample_tokens(logits_NV, **rows, generators=fused_gens, plan=plan)
         reference = sample_tokens(logits_NV, **rows, generators=reference_gens)
         assert torch.equal(fused.token_ids_N, reference.token_ids_N)
-        torch.testing.assert_close(fused.logprobs_N, reference.logprobs_N, atol=2e-6, rtol=0)
+        torch.testing.assert_close(fused.logprobs_N, reference.logprobs_N, atol=1e-5, rtol=1e-6)

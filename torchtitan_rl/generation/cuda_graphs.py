@@ -1,7 +1,8 @@
 """CUDA graphs for the decode step: one graph per (batch bucket, block-table bucket).
 
 A decode step of a 0.6B model is hundreds of small kernels; replaying them as one graph
-removes the per-kernel launch cost that otherwise dominates at small batches. Shapes are
+removes the per-kernel launch cost that otherwise dominates at small batches, and the
+layers' small kernels are first fused by torch.compile (`ModelRunner.compile_decode`). Shapes are
 static inside a graph, so a step is padded up to the next batch bucket (padding rows write
 into the runner's scratch block) and its block tables up to the next block bucket (the
 attention reads, and masks, that many cache positions per sequence: buckets keep short
@@ -47,6 +48,7 @@ class DecodeGraphs:
         self._table_BN = torch.full((B, N), runner.scratch_block, dtype=torch.long, device=device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        runner.compile_decode()  # compiled on the warm-up calls, before any capture
         self._capture_all()
 
     @torch.inference_mode()

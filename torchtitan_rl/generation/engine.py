@@ -81,9 +81,9 @@ class EngineConfig:
     """Native only. Decode-step attention: "auto" (triton on CUDA, else gather) | "gather" (any device) |
     "triton" (paged kernel, CUDA only)."""
     cuda_graphs: bool = True
-    """On a CUDA device, capture the decode step as CUDA graphs (one per batch and context
-    bucket, at engine start; vllm: its torch.compile and CUDA graphs, else eager); no effect
-    on CPU."""
+    """On a CUDA device, compile the decode layers with torch.compile and capture the decode
+    step as CUDA graphs (one per batch and context bucket, at engine start; vllm: its
+    torch.compile and CUDA graphs, else eager); no effect on CPU."""
 
     def validate(self) -> None:
         for name in ("num_replicas", "max_num_seqs", "max_steps_per_iteration", "block_size"):

@@ -109,6 +109,7 @@ class ModelRunner:
             dtype=dtype,
         )
         self.decode_graphs = None  # set by cuda_graphs.DecodeGraphs
+        self._layer_qkv, self._layer_rest = _layer_qkv, _layer_rest  # see compile_decode
 
     @torch.inference_mode()
     def forward(self, batch: list[SeqInput]) -> torch.Tensor:
@@ -220,7 +221,7 @@ class ModelRunner:
         h_BE = self.model.tok_embeddings(tokens_B)
         for layer_idx, layer in enumerate(self.model.layers.values()):
             attn = layer.attention
-            q_BHD, k_BHD, v_BHD = self._qkv(attn, layer.attention_norm(h_BE), *rope)
+            q_BHD, k_BHD, v_BHD = self._layer_qkv(layer, h_BE, *rope)
             cache.write(layer_idx, slot_B, k_BHD, v_BHD)
             if gather:
                 k_HBSD, v_HBSD = cache.gather(layer_idx, table_BN)
@@ -234,10 +235,19 @@ class ModelRunner:
                     pos_B,
                     block_size=self.block_size,
                     scale=attn.scaling,
+                    tile=128 if self.dtype == torch.bfloat16 else 64,
                 )
-            h_BE = h_BE + attn.wo(out_BHqD.flatten(1))
-            h_BE = h_BE + self._ffn(layer, h_BE)
+            h_BE = self._layer_rest(layer, h_BE, out_BHqD)
         return self.model.output(self.model.norm(h_BE)).float()
+
+    def compile_decode(self) -> None:
+        """Compiles the parts of a layer around the cache write and the attention (norms,
+        projections, rotation, feed-forward, residuals) with torch.compile, once for all
+        layers (they differ only in weights) and every number of rows: at decode batch
+        sizes these are many small kernels, which the compiler fuses (prefill uses the
+        same compiled parts). For CUDA graphs (`cuda_graphs.py`); the first calls compile."""
+        self._layer_qkv = torch.compile(_layer_qkv, dynamic=True)
+        self._layer_rest = torch.compile(_layer_rest, dynamic=True)
 
     def _forward_padded(self, batch: list[SeqInput]) -> torch.Tensor:
         device, cache = self.device, self.kv_cache
@@ -261,7 +271,7 @@ class ModelRunner:
         h_ME = self.model.tok_embeddings(tokens_M)
         for layer_idx, layer in enumerate(self.model.layers.values()):
             attn = layer.attention
-            q_MHD, k_MHD, v_MHD = self._qkv(attn, layer.attention_norm(h_ME), *rope)
+            q_MHD, k_MHD, v_MHD = self._layer_qkv(layer, h_ME, *rope)
             cache.write(layer_idx, slot_M, k_MHD, v_MHD)
             k_HBSD, v_HBSD = cache.gather(layer_idx, table_BN)
             q_BTHD = q_MHD.new_zeros(B, T, *q_MHD.shape[1:])
@@ -273,9 +283,7 @@ class ModelRunner:
                 attn_mask=mask_B1TS,
                 scale=attn.scaling,
             )
-            out_ME = out_BHTD.transpose(1, 2)[valid_BT].flatten(1)
-            h_ME = h_ME + attn.wo(out_ME)
-            h_ME = h_ME + self._ffn(layer, h_ME)
+            h_ME = self._layer_rest(layer, h_ME, out_BHTD.transpose(1, 2)[valid_BT])
         h_BE = h_ME[len_B.cumsum(0) - 1]
         return self.model.output(self.model.norm(h_BE)).float()
 
@@ -290,26 +298,39 @@ class ModelRunner:
         signed_sin_M1D = torch.cat([-sin_M1D[..., : D // 2], sin_M1D[..., D // 2 :]], dim=-1)
         return cos_M1D, signed_sin_M1D
 
-    def _qkv(self, attn: torch.nn.Module, x_ME: torch.Tensor, cos_M1D, signed_sin_M1D):
-        """Rotated queries and keys, and values, of each row: `[M, H, D]` each."""
-        M, D = x_ME.shape[0], attn.head_dim
-        q_MHD = attn.wq(x_ME).view(M, -1, D)
-        k_MHD = attn.wk(x_ME).view(M, -1, D)
-        v_MHD = attn.wv(x_ME).view(M, -1, D)
-        if attn.q_norm is not None:
-            q_MHD = attn.q_norm(q_MHD)
-        if attn.k_norm is not None:
-            k_MHD = attn.k_norm(k_MHD)
-        # apply_rotary_emb's `x * cos + rotate_half(x) * sin`, bit for bit: rotate_half(x)
-        # = cat(-x2, x1), and (-a) * b == a * (-b) exactly, so one roll replaces the
-        # slices, negation and concatenation in every layer.
-        q_MHD = q_MHD * cos_M1D + q_MHD.roll(D // 2, dims=-1) * signed_sin_M1D
-        k_MHD = k_MHD * cos_M1D + k_MHD.roll(D // 2, dims=-1) * signed_sin_M1D
-        return q_MHD, k_MHD, v_MHD
 
-    def _ffn(self, layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-        ffn = layer.moe if layer.moe_enabled else layer.feed_forward
-        return ffn(layer.ffn_norm(h))
+def _layer_qkv(layer: torch.nn.Module, h_BE: torch.Tensor, cos_B1D, signed_sin_B1D):
+    """A decode layer up to its attention: rotated queries, keys, and values."""
+    return _qkv(layer.attention, layer.attention_norm(h_BE), cos_B1D, signed_sin_B1D)
+
+
+def _layer_rest(layer: torch.nn.Module, h_BE: torch.Tensor, out_BHqD: torch.Tensor):
+    """A decode layer after its attention: output projection, feed-forward, residuals."""
+    h_BE = h_BE + layer.attention.wo(out_BHqD.flatten(1))
+    return h_BE + _ffn(layer, h_BE)
+
+
+def _qkv(attn: torch.nn.Module, x_ME: torch.Tensor, cos_M1D, signed_sin_M1D):
+    """Rotated queries and keys, and values, of each row: `[M, H, D]` each."""
+    M, D = x_ME.shape[0], attn.head_dim
+    q_MHD = attn.wq(x_ME).view(M, -1, D)
+    k_MHD = attn.wk(x_ME).view(M, -1, D)
+    v_MHD = attn.wv(x_ME).view(M, -1, D)
+    if attn.q_norm is not None:
+        q_MHD = attn.q_norm(q_MHD)
+    if attn.k_norm is not None:
+        k_MHD = attn.k_norm(k_MHD)
+    # apply_rotary_emb's `x * cos + rotate_half(x) * sin`, bit for bit: rotate_half(x)
+    # = cat(-x2, x1), and (-a) * b == a * (-b) exactly, so one roll replaces the
+    # slices, negation and concatenation in every layer.
+    q_MHD = q_MHD * cos_M1D + q_MHD.roll(D // 2, dims=-1) * signed_sin_M1D
+    k_MHD = k_MHD * cos_M1D + k_MHD.roll(D // 2, dims=-1) * signed_sin_M1D
+    return q_MHD, k_MHD, v_MHD
+
+
+def _ffn(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    ffn = layer.moe if layer.moe_enabled else layer.feed_forward
+    return ffn(layer.ffn_norm(h))
 
 
 def _decode_attention(
