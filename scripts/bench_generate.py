@@ -233,6 +233,47 @@ def run_vllm(model, args, prompts: np.ndarray, device, dtype_name: str) -> dict:
     return {"output_tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall, "setup_s": setup_s}
 
 
+def run_vllm_llm(model, args, prompts: np.ndarray, dtype_name: str) -> dict:
+    """The same prompts through plain vLLM (`vllm.LLM`, its defaults: torch.compile and CUDA
+    graphs, no per-request seeds or log-probs), as a vLLM user would run it."""
+    import gc
+    import tempfile
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+    from vllm import SamplingParams as VllmSampling
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = export_folder(model, Path(tmp) / "hf")
+        t0 = time.perf_counter()
+        llm = LLM(
+            model=folder,
+            dtype=dtype_name,
+            skip_tokenizer_init=True,
+            gpu_memory_utilization=0.5,
+            max_model_len=args.prompt_len + args.output_len,
+            max_num_seqs=args.num_requests,
+            seed=0,
+        )
+        setup_s = time.perf_counter() - t0
+    requests = [{"prompt_token_ids": p.tolist()} for p in prompts]
+
+    def sampling(max_tokens: int):
+        return VllmSampling(
+            temperature=1.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+        )
+
+    llm.generate(requests[:8], sampling(16), use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(requests, sampling(args.output_len), use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"output_tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall, "setup_s": setup_s}
+
+
 def time_phases(engine: Engine) -> dict[str, float]:
     """Wraps the engine's step phases to add up their host wall time (no extra syncs:
     `_record` is where the host waits for a step's tokens)."""
@@ -541,12 +582,16 @@ def main() -> None:
     if importlib.util.find_spec("vllm") is None:
         print("vLLM: skipped (vllm is not installed)", flush=True)
     elif device.type == "cuda":  # on CPU: --cpu-default has the vLLM row
-        try:
-            results["vllm"] = run_vllm(model, args, prompts, device, dtype_name)
-        except Exception as exc:  # reported, the other rows still run
-            results["vllm"] = {"error": f"{type(exc).__name__}: {exc}"}
-        save()
-        print(f"vllm: {results['vllm']}", flush=True)
+        for key, run in (
+            ("vllm_llm", lambda: run_vllm_llm(model, args, prompts, dtype_name)),
+            ("vllm", lambda: run_vllm(model, args, prompts, device, dtype_name)),
+        ):
+            try:
+                results[key] = run()
+            except Exception as exc:  # reported, the other rows still run
+                results[key] = {"error": f"{type(exc).__name__}: {exc}"}
+            save()
+            print(f"{key}: {results[key]}", flush=True)
     if not args.skip_hf and importlib.util.find_spec("transformers") is None:
         print("HF transformers generate: skipped (transformers is not installed)", flush=True)
     elif not args.skip_hf:
@@ -564,6 +609,8 @@ def print_table(results: dict) -> None:
         for k in results
         if k.startswith("engine_")
     ]
+    if "vllm_llm" in results:
+        rows.append(("vLLM LLM (plain vLLM)", results["vllm_llm"].get("tok_per_s", float("nan"))))
     if "vllm" in results:
         rows.append(
             ("vLLM (generator.backend = vllm)", results["vllm"].get("tok_per_s", float("nan")))
