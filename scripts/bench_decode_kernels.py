@@ -143,10 +143,11 @@ def sampling_shape(N: int, gbps: float) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--skip-attention", action="store_true", help="only the sampling table")
     args = p.parse_args()
     gbps = copy_gbps()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {gbps:.0f} GB/s")
-    attention = attention_rows(gbps)
+    attention = [] if args.skip_attention else attention_rows(gbps)
     print("\npaged decode attention, best settings per shape (ms; floor = K/V read once)")
     for (B, ctx), group in itertools.groupby(attention, key=lambda r: (r["B"], r["ctx"])):
         group = list(group)

@@ -268,7 +268,11 @@ def run_vllm_llm(model, args, prompts: np.ndarray, dtype_name: str) -> dict:
     outs = llm.generate(requests, sampling(args.output_len), use_tqdm=False)
     wall = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    llm.llm_engine.engine_core.shutdown()
     del llm
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()  # frees its memory for the next row
     gc.collect()
     torch.cuda.empty_cache()
     return {"output_tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall, "setup_s": setup_s}
