@@ -25,22 +25,19 @@ alternately, 8 runs x 9 rounds each): median round 947 ms before the host-overhe
 (packed prefill, rope/mask hoisting, block gathers, leaner sampling), 716 ms after (best
 744 -> 559 ms), i.e. ~3,250 -> ~4,300 output tok/s, with the same digest.
 
-Measured 2026-11-21, one NVIDIA H200, torch 2.11.0+cu130, `python -m scripts.bench_generate
---skip-hf` (Qwen3-0.6B shape, random weights, bf16, 256 requests x (512 prompt + 512 output));
-HF generate from an earlier run of the same script (before the host-overhead pass: gather
-4,342, triton 16,947):
+Measured 2026-11-24, one NVIDIA H200, torch 2.11.0+cu130, vLLM 0.26.0, `--skip-hf` (the
+vLLM rows need vllm installed: README, device notes), output tok/s:
 
-| implementation                               | output tok/s |
-|----------------------------------------------|--------------|
-| native engine, decode attention gather       |        4,575 |
-| native engine, decode attention triton       |       18,659 |
-| HF transformers generate (512 new)           |        3,703 |
-| memory-bandwidth bound                       |       45,219 |
+| implementation                  | 256 x (512 + 512) | 64 x (128 + 128) |
+|---------------------------------|-------------------|------------------|
+| native engine (look-ahead)      |            29,216 |           21,915 |
+| native engine, no look-ahead    |            25,349 |           20,864 |
+| vLLM `LLM` (plain vLLM)         |            28,924 |           22,139 |
+| memory-bandwidth bound          |            44,540 |          102,191 |
 
-One captured decode step at batch 256 (graph replay): gather 17.7 / 31.2 / 44.7 / 58.0 ms,
-triton 4.9 / 6.8 / 8.6 / 10.5 ms at 256 / 512 / 768 / 1024 cached positions. With triton,
-5.2 of the 7.0 s pass in sampling (which includes waiting for each step's logits), 1.6 s
-in launching forwards and 0.07 s in scheduling.
+Rows move by about 3% between runs. The vllm-backend row needs the GPU memory the plain
+vLLM row keeps after it is deleted (vLLM 0.26 does not give it back in-process): run with
+`--vllm backend` in a fresh process for that row.
 """
 
 from __future__ import annotations
@@ -82,6 +79,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-output-len", type=int, default=0, help="0: same as --output-len")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument(
+        "--vllm",
+        default="llm,backend",
+        help="vLLM rows, comma-separated: llm (plain vllm.LLM), backend (generator.backend = "
+        "vllm); empty: none",
+    )
+    p.add_argument(
         "--attention",
         default="",
         help='engine variants, comma-separated: the decode attention ("gather", "triton"), '
@@ -89,6 +92,8 @@ def parse_args() -> argparse.Namespace:
         '"triton,triton-no-look-ahead"',
     )
     args = p.parse_args()
+    if set(args.vllm.split(",")) - {"llm", "backend", ""}:
+        p.error(f"--vllm takes llm and/or backend, comma-separated; got {args.vllm!r}")
     if args.smoke:
         args.num_requests, args.prompt_len, args.output_len = 8, 16, 16
     args.hf_output_len = args.hf_output_len or args.output_len
@@ -586,10 +591,11 @@ def main() -> None:
     if importlib.util.find_spec("vllm") is None:
         print("vLLM: skipped (vllm is not installed)", flush=True)
     elif device.type == "cuda":  # on CPU: --cpu-default has the vLLM row
-        for key, run in (
-            ("vllm_llm", lambda: run_vllm_llm(model, args, prompts, dtype_name)),
-            ("vllm", lambda: run_vllm(model, args, prompts, device, dtype_name)),
-        ):
+        rows = {
+            "llm": ("vllm_llm", lambda: run_vllm_llm(model, args, prompts, dtype_name)),
+            "backend": ("vllm", lambda: run_vllm(model, args, prompts, device, dtype_name)),
+        }
+        for key, run in (rows[name] for name in args.vllm.split(",") if name):
             try:
                 results[key] = run()
             except Exception as exc:  # reported, the other rows still run
