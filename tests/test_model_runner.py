@@ -119,3 +119,27 @@ def test_bfloat16_runner_stays_close_to_fp32_forward():
         ]
     assert got_V.dtype == torch.float32
     torch.testing.assert_close(got_V, ref_V, atol=0.1, rtol=0.05)
+
+
+def test_packed_projections_give_the_same_logits_and_take_weight_pulls():
+    """`pack_projections` (used on CUDA with compiled decode) runs q/k/v and w1/w3 as one
+    matmul each over views of one matrix: same logits, no copy of the weights, and a
+    weight pull afterwards reaches the packed matrices."""
+    torch.manual_seed(0)
+    model = tiny_qwen3()
+    new_state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    plain, packed = make_runner(model), make_runner(tiny_qwen3())
+    packed.load_state_dict(plain.model.state_dict())
+    packed.pack_projections()
+    attn = next(iter(packed.model.layers.values())).attention
+    assert attn.wk.weight.untyped_storage().data_ptr() == attn.packed_qkv_weight.data_ptr()
+    batch = [SeqInput(token_ids=[3, 1, 4, 1, 5], start=0, block_table=[0, 1])]
+    decode = [SeqInput(token_ids=[9], start=5, block_table=[0, 1])]
+    first = packed.forward(batch).clone()
+    torch.testing.assert_close(first, plain.forward(batch), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed.forward(decode), plain.forward(decode), atol=1e-5, rtol=1e-5)
+    plain.load_state_dict(new_state)
+    packed.load_state_dict(new_state)
+    pulled = packed.forward(batch)
+    torch.testing.assert_close(pulled, plain.forward(batch), atol=1e-5, rtol=1e-5)
+    assert (pulled - first).abs().max() > 1e-3

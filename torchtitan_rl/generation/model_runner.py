@@ -34,6 +34,8 @@ from torchtitan_rl.device import to_device_async
 from torchtitan_rl.generation.kv_cache import PagedKVCache
 from torchtitan_rl.generation.paged_attention import paged_decode_attention
 
+PACKED_QKV, PACKED_W13 = "packed_qkv_weight", "packed_w13_weight"
+"""Buffers that `ModelRunner.pack_projections` adds to attention and feed-forward modules."""
 DECODE_ATTENTION = ("auto", "gather", "triton")
 """Decode attention: "gather" (blocks gathered, batched matmuls; any device), "triton"
 (reads the paged cache in place; CUDA only; 3.9x the engine throughput of "gather" on an
@@ -240,12 +242,25 @@ class ModelRunner:
             h_BE = self._layer_rest(layer, h_BE, out_BHqD)
         return self.model.output(self.model.norm(h_BE)).float()
 
+    def pack_projections(self) -> None:
+        """Packs each layer's query/key/value weights, and its feed-forward w1/w3, into one
+        matrix each (the weights become views of it: same memory, weight pulls land in it),
+        so each takes one matmul instead of three or two. Same math; the matmul shapes
+        differ, so results may differ by rounding."""
+        for layer in self.model.layers.values():
+            _pack(layer.attention, ("wq", "wk", "wv"), PACKED_QKV)
+            if not layer.moe_enabled:
+                _pack(layer.feed_forward, ("w1", "w3"), PACKED_W13)
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+
     def compile_decode(self) -> None:
-        """Compiles the parts of a layer around the cache write and the attention (norms,
-        projections, rotation, feed-forward, residuals) with torch.compile, once for all
-        layers (they differ only in weights) and every number of rows: at decode batch
-        sizes these are many small kernels, which the compiler fuses (prefill uses the
-        same compiled parts). For CUDA graphs (`cuda_graphs.py`); the first calls compile."""
+        """Packs the projections (`pack_projections`) and compiles the parts of a layer
+        around the cache write and the attention (norms, projections, rotation,
+        feed-forward, residuals) with torch.compile, once for all layers (they differ only
+        in weights) and every number of rows: at decode batch sizes these are many small
+        kernels, which the compiler fuses (prefill uses the same compiled parts). For CUDA
+        graphs (`cuda_graphs.py`); the first calls compile."""
+        self.pack_projections()
         self._layer_qkv = torch.compile(_layer_qkv, dynamic=True)
         self._layer_rest = torch.compile(_layer_rest, dynamic=True)
 
@@ -313,9 +328,13 @@ def _layer_rest(layer: torch.nn.Module, h_BE: torch.Tensor, out_BHqD: torch.Tens
 def _qkv(attn: torch.nn.Module, x_ME: torch.Tensor, cos_M1D, signed_sin_M1D):
     """Rotated queries and keys, and values, of each row: `[M, H, D]` each."""
     M, D = x_ME.shape[0], attn.head_dim
-    q_MHD = attn.wq(x_ME).view(M, -1, D)
-    k_MHD = attn.wk(x_ME).view(M, -1, D)
-    v_MHD = attn.wv(x_ME).view(M, -1, D)
+    packed = getattr(attn, PACKED_QKV, None)
+    if packed is None:
+        q_ME, k_ME, v_ME = attn.wq(x_ME), attn.wk(x_ME), attn.wv(x_ME)
+    else:  # one matmul (ModelRunner.pack_projections)
+        sizes = [attn.wq.weight.shape[0], attn.wk.weight.shape[0], attn.wv.weight.shape[0]]
+        q_ME, k_ME, v_ME = F.linear(x_ME, packed).split(sizes, dim=-1)
+    q_MHD, k_MHD, v_MHD = q_ME.view(M, -1, D), k_ME.view(M, -1, D), v_ME.view(M, -1, D)
     if attn.q_norm is not None:
         q_MHD = attn.q_norm(q_MHD)
     if attn.k_norm is not None:
@@ -330,7 +349,26 @@ def _qkv(attn: torch.nn.Module, x_ME: torch.Tensor, cos_M1D, signed_sin_M1D):
 
 def _ffn(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     ffn = layer.moe if layer.moe_enabled else layer.feed_forward
-    return ffn(layer.ffn_norm(h))
+    packed = getattr(ffn, PACKED_W13, None)
+    if packed is None:
+        return ffn(layer.ffn_norm(h))
+    gate, up = F.linear(layer.ffn_norm(h), packed).chunk(2, dim=-1)  # w1 and w3 in one matmul
+    return ffn.w2(F.silu(gate) * up)
+
+
+def _pack(module: torch.nn.Module, names: tuple[str, ...], buffer: str) -> None:
+    """Concatenates the weights of `module`'s linears `names` into one buffer and makes each
+    weight a view of its rows, so copies into the weights (weight pulls) fill the buffer."""
+    linears = [getattr(module, name) for name in names]
+    if any(linear.bias is not None for linear in linears):
+        raise ValueError(f"cannot pack {names}: they have biases")
+    packed = torch.cat([linear.weight.detach() for linear in linears])
+    module.register_buffer(buffer, packed, persistent=False)
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = torch.nn.Parameter(packed[start : start + rows], requires_grad=False)
+        start += rows
 
 
 def _decode_attention(
