@@ -25,19 +25,19 @@ alternately, 8 runs x 9 rounds each): median round 947 ms before the host-overhe
 (packed prefill, rope/mask hoisting, block gathers, leaner sampling), 716 ms after (best
 744 -> 559 ms), i.e. ~3,250 -> ~4,300 output tok/s, with the same digest.
 
-Measured 2026-11-24, one NVIDIA H200, torch 2.11.0+cu130, vLLM 0.26.0, `--skip-hf` (the
-vLLM rows need vllm installed: README, device notes), output tok/s:
+Measured 2026-11-24, one NVIDIA H200, torch 2.11.0+cu130, vLLM 0.26.0, `--skip-hf --vllm llm`
+(the vLLM rows need vllm installed: README), output tok/s:
 
 | implementation                  | 256 x (512 + 512) | 64 x (128 + 128) |
 |---------------------------------|-------------------|------------------|
-| native engine (look-ahead)      |            29,216 |           21,915 |
-| native engine, no look-ahead    |            25,349 |           20,864 |
-| vLLM `LLM` (plain vLLM)         |            28,924 |           22,139 |
-| memory-bandwidth bound          |            44,540 |          102,191 |
+| native engine (look-ahead)      |            29,871 |           25,616 |
+| native engine, no look-ahead    |            25,940 |           21,898 |
+| vLLM `LLM` (plain vLLM)         |            28,104 |           20,142 |
+| memory-bandwidth bound          |            44,969 |          100,506 |
 
-Rows move by about 3% between runs. The vllm-backend row needs the GPU memory the plain
-vLLM row keeps after it is deleted (vLLM 0.26 does not give it back in-process): run with
-`--vllm backend` in a fresh process for that row.
+vLLM's rows move by a few percent between runs (README). The vllm-backend row needs the GPU
+memory that the plain vLLM row keeps after it is deleted (vLLM 0.26 does not give it back
+in-process): run `--vllm backend` in a process of its own for that row.
 """
 
 from __future__ import annotations
