@@ -346,3 +346,10 @@ def test_cuda_graphs_captures_the_decode_step(cuda_graphs):
         return done
 
     assert asyncio.run(go()).num_tokens == 8
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_training_compile_wraps_every_block_forward(compile):
+    core = _core(compile=compile)
+    compiled = ["_torchdynamo_orig_callable" in dir(b.forward) for b in core.model.layers.values()]
+    assert compiled == [compile] * len(core.model.layers)
