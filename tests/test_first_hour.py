@@ -114,9 +114,9 @@ def test_resume_lists_what_changed_and_refuses_another_model(tmp_path):
 
 
 def test_a_finished_run_is_complete_before_anything_starts(tmp_path):
-    _run_with_checkpoint(tmp_path, 500)
+    _run_with_checkpoint(tmp_path, 700)
     controller = Controller(load_config(TINY, [f"--job.output_dir={tmp_path}"]), use_tqdm=False)
-    assert controller.completed_step() == controller.last_step() == 500
+    assert controller.completed_step() == controller.last_step() == 700
 
 
 def test_tensorboard_opens_a_dashboard_of_the_main_curves(tmp_path):
