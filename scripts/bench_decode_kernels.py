@@ -1,6 +1,7 @@
 """The engine's two per-step kernels vs their alternatives vs the memory floor (CUDA).
 
-    python -m scripts.bench_decode_kernels [--out DIR]
+    python -m scripts.bench_decode_kernels [--out DIR] [--skip-attention]
+    python -m scripts.bench_decode_kernels --smoke   # CPU: the reference sampler only
 
 1. Paged decode attention (Qwen3-0.6B shape: 16 query / 8 key-value heads, head dim 128,
    bf16 cache, block size 16) at batch 256 and 64 and several contexts, for a grid of
@@ -20,6 +21,7 @@ import argparse
 import itertools
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -140,11 +142,36 @@ def sampling_shape(N: int, gbps: float) -> dict:
     )
 
 
+def smoke_on_cpu(out_dir: Path) -> None:
+    """The reference sampler on a small CPU batch; the kernels' rows say they need CUDA."""
+    N, V = 8, 1000
+    logits = torch.randn(N, V) * 4
+    ones, zeros = torch.ones(N), torch.zeros(N, dtype=torch.long)
+    gens = [torch.Generator().manual_seed(i) for i in range(N)]
+    start = time.perf_counter()
+    out = sampling.sample_tokens(
+        logits, temperature_N=ones, top_p_N=ones, top_k_N=zeros, generators=gens
+    )
+    ms = 1e3 * (time.perf_counter() - start)
+    assert out.token_ids_N.shape == (N,)
+    print("| rows x vocab | reference sampler ms | fused sampler | paged attention |")
+    print(f"| {N} x {V} | {ms:.3f} | needs CUDA | needs CUDA |")
+    (out_dir / "bench_decode_kernels.json").write_text(json.dumps(dict(cpu_reference_ms=ms)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--skip-attention", action="store_true", help="only the sampling table")
+    p.add_argument(
+        "--smoke", action="store_true", help="seconds: without CUDA, the reference sampler only"
+    )
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        if not args.smoke:
+            p.error("the kernels need a CUDA device (--smoke runs the CPU part)")
+        return smoke_on_cpu(Path(args.out))
+    args.skip_attention |= args.smoke
     gbps = copy_gbps()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {gbps:.0f} GB/s")
     attention = [] if args.skip_attention else attention_rows(gbps)
