@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib.util
 import json
 import os
@@ -489,6 +490,7 @@ def main() -> None:
             if args.smoke:  # a smoke checks that the script works: fail loudly
                 raise
             results[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        gc.collect()  # the engine's cycles (graphs, loop) hold its KV cache until collected
         torch.cuda.empty_cache() if device.type == "cuda" else None
         save()
         print(f"{key}: {results[key]}", flush=True)

@@ -143,3 +143,45 @@ def test_packed_projections_give_the_same_logits_and_take_weight_pulls():
     pulled = packed.forward(batch)
     torch.testing.assert_close(pulled, plain.forward(batch), atol=1e-5, rtol=1e-5)
     assert (pulled - first).abs().max() > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_prefill_and_mixed_batch_never_wait_for_the_device():
+    """A forward that prefills (rows of different lengths, next to a decode row) queues all
+    its work without a host-device sync: the engine's look-ahead keeps the next decode step
+    queued meanwhile. A boolean-mask index or a plain host-to-device copy would sync, and
+    `set_sync_debug_mode("error")` raises on any. Logits match the CPU runner's."""
+    torch.manual_seed(0)
+    state = tiny_qwen3().state_dict()
+    cpu, gpu = (
+        make_runner(tiny_qwen3()),
+        ModelRunner(
+            tiny_qwen3(),
+            num_blocks=16,
+            block_size=4,
+            max_seq_len=32,
+            device="cuda",
+            dtype=torch.float32,
+        ),
+    )
+    cpu.load_state_dict(state)
+    gpu.load_state_dict(state)
+    first = [
+        SeqInput(token_ids=[3, 1, 4, 1, 5, 9, 2], start=0, block_table=[0, 1]),
+        SeqInput(token_ids=[2, 7], start=0, block_table=[2]),
+    ]
+    mixed = [
+        SeqInput(token_ids=[6], start=7, block_table=[0, 1]),
+        SeqInput(token_ids=[1, 8, 2, 8, 1], start=2, block_table=[2, 3]),
+        SeqInput(token_ids=[5, 3, 5], start=0, block_table=[4]),
+    ]
+    for batch in (first, mixed):
+        ref = cpu.forward(batch)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = gpu.forward(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)

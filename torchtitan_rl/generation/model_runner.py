@@ -133,10 +133,15 @@ class ModelRunner:
         if not multi:  # the common decode step; may be a view of a CUDA graph's output
             return self._decode(batch)
         single = [i for i, s in enumerate(batch) if len(s.token_ids) == 1]
+        if not single:
+            return self._forward_padded(batch)
+        # Row indices staged like every other host input: indexing with a Python list
+        # would copy it from pageable memory and wait for the device's queued work.
+        multi_R = to_device_async(torch.tensor(multi), self.device)
+        single_R = to_device_async(torch.tensor(single), self.device)
         logits_BV = torch.empty(len(batch), self.vocab_size, device=self.device)
-        logits_BV[multi] = self._forward_padded([batch[i] for i in multi])
-        if single:
-            logits_BV[single] = self._decode([batch[i] for i in single])
+        logits_BV.index_copy_(0, multi_R, self._forward_padded([batch[i] for i in multi]))
+        logits_BV.index_copy_(0, single_R, self._decode([batch[i] for i in single]))
         return logits_BV
 
     @torch.no_grad()
@@ -187,8 +192,11 @@ class ModelRunner:
         if self.decode_graphs is not None:
             return self.decode_graphs.run(batch, num_blocks)
         tokens_B, pos_B, table_BN = self.decode_inputs(batch, len(batch), num_blocks)
+        device = self.device
         return self.decode_step(
-            tokens_B.to(self.device), pos_B.to(self.device), table_BN.to(self.device)
+            to_device_async(tokens_B, device),
+            to_device_async(pos_B, device),
+            to_device_async(table_BN, device),
         )
 
     @torch.inference_mode()
@@ -269,17 +277,25 @@ class ModelRunner:
         lens = [len(s.token_ids) for s in batch]
         B, T = len(batch), max(lens)
         N = max(-(-(s.start + n) // self.block_size) for s, n in zip(batch, lens))
-        tokens_M = torch.tensor([t for s in batch for t in s.token_ids], device=device)
-        table_BN = torch.tensor([(s.block_table[:N] + [0] * N)[:N] for s in batch], device=device)
-        start_B = torch.tensor([s.start for s in batch], device=device)
-        len_B = torch.tensor(lens, device=device)
+
+        # Host inputs staged through pinned memory, and the real tokens picked out of the
+        # padded [B, T] grid by integer index (`flat_M`, row-major), never by boolean mask:
+        # no step of a prefill waits for the device (the look-ahead's queued decode).
+        def staged(values: list) -> torch.Tensor:
+            return to_device_async(torch.tensor(values), device)
+
+        tokens_M = staged([t for s in batch for t in s.token_ids])
+        table_BN = staged([(s.block_table[:N] + [0] * N)[:N] for s in batch])
+        start_B = staged([s.start for s in batch])
+        len_B = staged(lens)
+        flat_M = staged([b * T + t for b, n in enumerate(lens) for t in range(n)])
         t_T = torch.arange(T, device=device)
         valid_BT = t_T[None, :] < len_B[:, None]
         # Padding slots take the row's first position, so every query row of the padded
         # attention sees at least one key; their outputs are dropped.
         pos_BT = torch.where(valid_BT, start_B[:, None] + t_T[None, :], start_B[:, None])
-        pos_M = pos_BT[valid_BT]
-        slot_M = cache.slots(table_BN, pos_BT)[valid_BT]
+        pos_M = pos_BT.flatten()[flat_M]
+        slot_M = cache.slots(table_BN, pos_BT).flatten()[flat_M]
         key_pos_S = torch.arange(N * self.block_size, device=device)
         mask_B1TS = (key_pos_S[None, None, :] <= pos_BT[:, :, None])[:, None]
         rope = self._rope(pos_M)
@@ -289,8 +305,8 @@ class ModelRunner:
             q_MHD, k_MHD, v_MHD = self._layer_qkv(layer, h_ME, *rope)
             cache.write(layer_idx, slot_M, k_MHD, v_MHD)
             k_HBSD, v_HBSD = cache.gather(layer_idx, table_BN)
-            q_BTHD = q_MHD.new_zeros(B, T, *q_MHD.shape[1:])
-            q_BTHD[valid_BT] = q_MHD
+            q_BTHD = q_MHD.new_zeros(B * T, *q_MHD.shape[1:])
+            q_BTHD = q_BTHD.index_copy_(0, flat_M, q_MHD).view(B, T, *q_MHD.shape[1:])
             out_BHTD = F.scaled_dot_product_attention(
                 q_BTHD.transpose(1, 2),
                 k_HBSD.transpose(0, 1).repeat_interleave(self.query_group, dim=1).to(q_MHD.dtype),
@@ -298,7 +314,8 @@ class ModelRunner:
                 attn_mask=mask_B1TS,
                 scale=attn.scaling,
             )
-            h_ME = self._layer_rest(layer, h_ME, out_BHTD.transpose(1, 2)[valid_BT])
+            out_MHD = out_BHTD.transpose(1, 2).flatten(0, 1)[flat_M]
+            h_ME = self._layer_rest(layer, h_ME, out_MHD)
         h_BE = h_ME[len_B.cumsum(0) - 1]
         return self.model.output(self.model.norm(h_BE)).float()
 
