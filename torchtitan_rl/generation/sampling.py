@@ -3,7 +3,8 @@
 Pure functions of fp32 logits. Each row is processed on its own: its support, its
 distribution and its random draw never depend on the other rows of the batch, and the only
 randomness is one uniform draw per sampled token from the row's own CPU `torch.Generator`
-(so the same seed gives the same token on CPU and GPU, in any batch).
+(so the same seed gives the same token on CPU and GPU, in any batch, up to fp32 rounding
+of the log-probs: a draw within ~1e-6 of a boundary between two tokens may fall either way).
 
 Conventions (also what the trainer replays):
 - temperature 0 (greedy): the argmax, log-prob under `log_softmax(logits)` (temperature 1,
@@ -170,7 +171,8 @@ def sample_tokens(
     host knows them) and no `return_support`, nothing here waits for the device: the
     results are tensors still being computed, so the caller can queue more work first.
     On CUDA, with `plan`, rows that all sample from the full vocabulary take the fused
-    kernel of `sampling_kernel` (same draws, no `[N, V]` intermediates).
+    kernel of `sampling_kernel` (same draws and, but within fp32 rounding of a boundary,
+    the same tokens; no `[N, V]` intermediates).
     """
     N, V = logits_NV.shape
     if not len(generators) == temperature_N.numel() == top_p_N.numel() == top_k_N.numel() == N:

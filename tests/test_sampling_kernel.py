@@ -1,0 +1,80 @@
+"""The fused full-vocabulary sampler (`sampling_kernel.py`) against the reference sampler
+and a float64 softmax, on CPU under the Triton interpreter, with chunks small enough that
+every row spans several chunks and blocks (ragged last ones).
+
+Same draws as `sampling.sample_tokens` (one float64 uniform per row from the row's own
+generator): the same token, the log-prob within fp32 rounding of the reference's; the
+edges of the draw (u = 0, u just below 1) give the first and last token with a non-zero
+probability, never one at -inf."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import torchtitan_rl
+
+REPO_ROOT = Path(torchtitan_rl.__file__).parents[1]
+
+
+def draws(seeds: list[int]) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def check_interpreted() -> None:
+    """Runs in a child process with TRITON_INTERPRET=1 set before triton is imported."""
+    from torchtitan_rl.generation import sampling_kernel as kernel
+    from torchtitan_rl.generation.sampling import sample_tokens
+
+    kernel.BLOCK, kernel.CHUNK = 32, 64
+    gen = torch.Generator().manual_seed(0)
+    for V in (7, 129, 300):
+        N = 24
+        logits_NV = 3 * torch.randn(N, V, generator=gen)
+        logits_NV[1, : V // 2] = float("-inf")  # half the vocabulary impossible
+        logits_NV[2] = 0.0  # ties everywhere
+        logits_NV[3, -1] = 1e4  # one dominant id, in the last chunk
+        temperature_N = torch.tensor([0.5, 1.0, 2.0, 0.7] * (N // 4))
+        seeds = list(range(100 * V, 100 * V + N))
+        uniform_N = torch.tensor(
+            [
+                torch.empty((), dtype=torch.float64).uniform_(generator=g).item()
+                for g in draws(seeds)
+            ]
+        )
+        token_N, logprob_N = kernel.sample_full_vocab(logits_NV, temperature_N, uniform_N)
+        ref = sample_tokens(
+            logits_NV, temperature_N=temperature_N, top_p_N=torch.ones(N),
+            top_k_N=torch.zeros(N, dtype=torch.long), generators=draws(seeds),
+        )  # fmt: skip
+        assert torch.equal(token_N, ref.token_ids_N), (V, token_N, ref.token_ids_N)
+        torch.testing.assert_close(logprob_N, ref.logprobs_N, atol=2e-6, rtol=0)
+        exact_NV = torch.log_softmax(logits_NV.double() / temperature_N.double()[:, None], dim=-1)
+        want_N = exact_NV.gather(1, token_N[:, None]).squeeze(1)
+        torch.testing.assert_close(logprob_N.double(), want_N, atol=1e-5, rtol=0)
+        assert bool(torch.isfinite(logprob_N).all()), logprob_N
+        assert token_N[3] == V - 1 and token_N[1] >= V // 2
+
+        # The draw's edges: the first and the last id with a non-zero probability.
+        edge_N = torch.tensor([0.0, 1.0 - 2.0**-53])
+        rows = logits_NV[[1, 1]].contiguous()
+        token_2, logprob_2 = kernel.sample_full_vocab(rows, torch.ones(2), edge_N)
+        assert token_2.tolist() == [V // 2, V - 1], token_2
+        assert bool(torch.isfinite(logprob_2).all())
+
+
+def test_interpreted_fused_sampler_draws_the_reference_tokens():
+    code = (
+        "import sys, torch; torch.set_num_threads(1); sys.path.insert(0, sys.argv[1]); "
+        "import test_sampling_kernel as t; t.check_interpreted()"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
