@@ -171,8 +171,8 @@ def sample_tokens(
     host knows them) and no `return_support`, nothing here waits for the device: the
     results are tensors still being computed, so the caller can queue more work first.
     On CUDA, with `plan`, rows that all sample from the full vocabulary take the fused
-    kernel of `sampling_kernel` (same draws and, but within fp32 rounding of a boundary,
-    the same tokens; no `[N, V]` intermediates).
+    kernel of `sampling_kernel` (the same draws, and the same tokens but within fp32
+    rounding of a boundary; no `[N, V]` intermediates).
     """
     N, V = logits_NV.shape
     if not len(generators) == temperature_N.numel() == top_p_N.numel() == top_k_N.numel() == N:
