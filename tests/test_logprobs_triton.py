@@ -10,20 +10,14 @@ Shape suffixes: N = tokens, D = hidden size, V = vocabulary.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from fakes import run_interpreted
 
-from torchtitan_rl.losses import logprobs
 from torchtitan_rl.losses.logprobs import token_logprobs
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-REPO_ROOT = Path(logprobs.__file__).parents[2]
 
 
 def reference(hidden_ND, weight_VD, targets_N, temperature):
@@ -83,16 +77,7 @@ def check_interpreted() -> None:
 
 # ---- CPU: the kernels under the Triton interpreter -------------------------------------
 def test_interpreted_kernels_match_float64_reference_with_ragged_tiles():
-    code = (
-        "import sys, torch; torch.set_num_threads(1); sys.path.insert(0, sys.argv[1]); "
-        "import test_logprobs_triton as t; t.check_interpreted()"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_interpreted("test_logprobs_triton")
 
 
 # ---- GPU --------------------------------------------------------------------------------

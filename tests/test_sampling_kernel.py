@@ -9,16 +9,8 @@ probability, never one at -inf."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
-
-import torchtitan_rl
-
-REPO_ROOT = Path(torchtitan_rl.__file__).parents[1]
+from fakes import run_interpreted
 
 
 def draws(seeds: list[int]) -> list[torch.Generator]:
@@ -68,13 +60,4 @@ def check_interpreted() -> None:
 
 
 def test_interpreted_fused_sampler_draws_the_reference_tokens():
-    code = (
-        "import sys, torch; torch.set_num_threads(1); sys.path.insert(0, sys.argv[1]); "
-        "import test_sampling_kernel as t; t.check_interpreted()"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_interpreted("test_sampling_kernel")
