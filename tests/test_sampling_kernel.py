@@ -36,7 +36,8 @@ def check_interpreted() -> None:
             [
                 torch.empty((), dtype=torch.float64).uniform_(generator=g).item()
                 for g in draws(seeds)
-            ]
+            ],
+            dtype=torch.float64,
         )
         token_N, logprob_N = kernel.sample_full_vocab(logits_NV, temperature_N, uniform_N)
         ref = sample_tokens(
@@ -51,12 +52,15 @@ def check_interpreted() -> None:
         assert bool(torch.isfinite(logprob_N).all()), logprob_N
         assert token_N[3] == V - 1 and token_N[1] >= V // 2
 
-        # The draw's edges: the first and the last id with a non-zero probability.
-        edge_N = torch.tensor([0.0, 1.0 - 2.0**-53])
-        rows = logits_NV[[1, 1]].contiguous()
-        token_2, logprob_2 = kernel.sample_full_vocab(rows, torch.ones(2), edge_N)
-        assert token_2.tolist() == [V // 2, V - 1], token_2
-        assert bool(torch.isfinite(logprob_2).all())
+        # The draw's edges: the first and the last id with a non-zero probability; u = 1
+        # (a draw within rounding of the end) never returns an id past them.
+        tail = logits_NV[0].clone()
+        tail[V // 2 :] = float("-inf")
+        rows = torch.stack([logits_NV[1]] * 3 + [tail])
+        edge_N = torch.tensor([0.0, 1.0 - 2.0**-53, 1.0, 1.0], dtype=torch.float64)
+        token_4, logprob_4 = kernel.sample_full_vocab(rows, torch.ones(4), edge_N)
+        assert token_4.tolist() == [V // 2, V - 1, V - 1, V // 2 - 1], token_4
+        assert bool(torch.isfinite(logprob_4).all())
 
 
 def test_interpreted_fused_sampler_draws_the_reference_tokens():
