@@ -137,8 +137,7 @@ class ModelRunner:
             return self._forward_padded(batch)
         # Row indices staged like every other host input: indexing with a Python list
         # would copy it from pageable memory and wait for the device's queued work.
-        multi_R = to_device_async(torch.tensor(multi), self.device)
-        single_R = to_device_async(torch.tensor(single), self.device)
+        multi_R, single_R = _staged(multi, self.device), _staged(single, self.device)
         logits_BV = torch.empty(len(batch), self.vocab_size, device=self.device)
         logits_BV.index_copy_(0, multi_R, self._forward_padded([batch[i] for i in multi]))
         logits_BV.index_copy_(0, single_R, self._decode([batch[i] for i in single]))
@@ -277,18 +276,14 @@ class ModelRunner:
         lens = [len(s.token_ids) for s in batch]
         B, T = len(batch), max(lens)
         N = max(-(-(s.start + n) // self.block_size) for s, n in zip(batch, lens))
-
         # Host inputs staged through pinned memory, and the real tokens picked out of the
         # padded [B, T] grid by integer index (`flat_M`, row-major), never by boolean mask:
         # no step of a prefill waits for the device (the look-ahead's queued decode).
-        def staged(values: list) -> torch.Tensor:
-            return to_device_async(torch.tensor(values), device)
-
-        tokens_M = staged([t for s in batch for t in s.token_ids])
-        table_BN = staged([(s.block_table[:N] + [0] * N)[:N] for s in batch])
-        start_B = staged([s.start for s in batch])
-        len_B = staged(lens)
-        flat_M = staged([b * T + t for b, n in enumerate(lens) for t in range(n)])
+        tokens_M = _staged([t for s in batch for t in s.token_ids], device)
+        table_BN = _staged([(s.block_table[:N] + [0] * N)[:N] for s in batch], device)
+        start_B = _staged([s.start for s in batch], device)
+        len_B = _staged(lens, device)
+        flat_M = _staged([b * T + t for b, n in enumerate(lens) for t in range(n)], device)
         t_T = torch.arange(T, device=device)
         valid_BT = t_T[None, :] < len_B[:, None]
         # Padding slots take the row's first position, so every query row of the padded
@@ -329,6 +324,11 @@ class ModelRunner:
         sin_M1D = rope_M1X[..., D:].to(self.dtype)
         signed_sin_M1D = torch.cat([-sin_M1D[..., : D // 2], sin_M1D[..., D // 2 :]], dim=-1)
         return cos_M1D, signed_sin_M1D
+
+
+def _staged(values: list, device: torch.device) -> torch.Tensor:
+    """A host list on `device` without waiting for the device's queued work."""
+    return to_device_async(torch.tensor(values), device)
 
 
 def _layer_qkv(layer: torch.nn.Module, h_BE: torch.Tensor, cos_B1D, signed_sin_B1D):
