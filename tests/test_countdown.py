@@ -148,7 +148,25 @@ def test_env_plays_one_turn_and_the_rubric_reads_its_score():
     empty = Rollout(group_id=0, rollout_id=0, session_id="s", sample=sample)
     assert last_score(empty) == 0.0  # truncated before any turn: 0, no error
     empty.turns = [turn_with({})]  # truncated: the turn was never scored
-    assert env.rubric().score(empty) == (0.0, {"countdown_score": 0.0})
+    assert env.rubric().score(empty) == (0.0, {"countdown_score": 0.0, "countdown_solved": 0.0})
+    empty.turns = [turn_with({"countdown_score": 0.1})]  # well formed, wrong: not solved
+    assert env.rubric().score(empty) == (0.1, {"countdown_score": 0.1, "countdown_solved": 0.0})
+    empty.turns = [turn_with({"countdown_score": 1.0})]
+    assert env.rubric().score(empty) == (1.0, {"countdown_score": 1.0, "countdown_solved": 1.0})
+
+
+def test_show_work_demonstrations_write_each_operation_before_the_answer():
+    sample = {"numbers": [3, 7, 12], "target": 33, "solution": "3*7+12"}
+    env = _env(show_work=True)
+    assert env.demonstration(sample)[-1]["content"] == "3*7=21 21+12=33 <answer>3*7+12</answer>"
+    assert _env().demonstration(sample)[-1]["content"] == "<answer>3*7+12</answer>"
+    for s in _samples(env, n=100):
+        reply = env.demonstration(s)[-1]["content"]
+        *steps, answer = reply.split(" ")
+        assert score_reply(reply, s, 0.1) == 1.0 and steps[-1].endswith(f"={s['target']}")
+        for step in steps:  # each step is true arithmetic
+            left, right = step.split("=")
+            assert parse(left).value == parse(right).value, step
 
 
 def test_the_config_runs_countdown_and_its_demonstrations_fit():
@@ -206,3 +224,23 @@ def test_partial_score_is_what_a_well_formed_wrong_answer_scores():
         assert (
             asyncio.run(env.make_env(sample).step(right)).reward_signals["countdown_score"] == 1.0
         )
+
+
+@pytest.mark.parametrize(
+    "answer, by_distance",
+    [
+        ("3*7+12", 1.0),  # right: 1 either way
+        ("3+7+12", 0.1 * (1 - 11 / 33)),  # 22 is 11 away from 33
+        ("3*12", 0.1 * (1 - 3 / 33)),  # 36: a near miss scores more
+        ("3*7*12", 0.0),  # 252: more than the target away, floored at 0
+        ("7*7", 0.0),  # 7 twice: malformed, 0 either way
+    ],
+)
+def test_partial_by_distance_scales_the_partial_score_by_closeness(answer, by_distance):
+    reply = f"<answer>{answer}</answer>"
+    assert score_reply(reply, SAMPLE, 0.1, by_distance=True) == pytest.approx(by_distance)
+    flat = score_reply(reply, SAMPLE, 0.1)
+    assert flat == (1.0 if by_distance == 1.0 else 0.0 if answer == "7*7" else 0.1)
+    env = _env(partial_by_distance=True)
+    signals = asyncio.run(env.make_env(SAMPLE).step(reply)).reward_signals
+    assert signals["countdown_score"] == pytest.approx(by_distance)

@@ -1,6 +1,6 @@
 """Rollout metrics: every rubric function's value reaches TensorBoard, weight 0 ones too."""
 
-from torchtitan_rl.controller.metrics import rollout_metrics
+from torchtitan_rl.controller.metrics import rollout_metrics, validation_metrics
 from torchtitan_rl.types import Rollout, RolloutGroup, RolloutStatus
 
 
@@ -21,3 +21,18 @@ def test_each_rubric_function_is_summarized_over_valid_rollouts():
     assert out["rollout_reward/score/mean"] == 0.5
     assert out["rollout_reward/tool_calls/mean"] == 1.0
     assert out["rollout_reward/tool_calls/max"] == 2.0
+
+
+def test_validation_reports_each_rubric_function_with_errors_counted_as_zero():
+    rollouts = [
+        _rollout(0, {"score": 1.0, "solved": 1.0}),
+        _rollout(1, {"score": 0.1, "solved": 0.0}),
+        _rollout(2, {"score": 1.0, "solved": 1.0}, RolloutStatus.ERROR_ENV),
+        _rollout(3, {}, RolloutStatus.ERROR_REWARD),
+    ]
+    for r, reward in zip(rollouts, (1.0, 0.1, 1.0, 0.0)):
+        r.reward = reward
+    out = validation_metrics(rollouts)
+    assert out["validation_reward/mean"] == (1.0 + 0.1) / 4
+    assert out["validation_reward/solved"] == 1 / 4
+    assert abs(out["validation_reward/score"] - 1.1 / 4) < 1e-12

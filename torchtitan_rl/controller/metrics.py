@@ -126,9 +126,16 @@ def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
 
 def validation_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     """validation_reward/mean (errors count 0 here: a held-out score must not hide them),
-    per-turn score means and status fractions."""
+    the mean of each rubric function as validation_reward/<name> (a solve rate apart from
+    partial scores, say; errors count 0 too), per-turn score means and status fractions."""
     rewards = [0.0 if r.status.is_error() else r.reward for r in rollouts]
     out = {"validation_reward/mean": float(np.mean(rewards)) if rewards else float("nan")}
+    names = sorted({name for r in rollouts for name in r.reward_breakdown})
+    for name in names:
+        values = [
+            0.0 if r.status.is_error() else r.reward_breakdown.get(name, 0.0) for r in rollouts
+        ]
+        out[f"validation_reward/{name}"] = float(np.mean(values))
     turns = max((len(r.turns) for r in rollouts), default=0)
     for t in range(turns):
         scores = [

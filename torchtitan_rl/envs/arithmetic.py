@@ -5,7 +5,8 @@ operators + - * / and parentheses (which the AST absorbs); it computes with exac
 and bounds every intermediate value, so `9**9**9`, `__import__('os')`, `1/0`, names, calls,
 attributes, unary minus, floats and huge literals are errors, never exceptions:
 
-    parse("(3 + 5) * 2")   -> Parsed(value=Fraction(16), numbers=[3, 5, 2])
+    parse("(3 + 5) * 2")   -> Parsed(value=Fraction(16), numbers=[3, 5, 2],
+                                     steps=["3+5=8", "8*2=16"])
     parse("2 ** 100")      -> ArithmeticError_("operator Pow is not allowed")
 """
 
@@ -32,6 +33,8 @@ class Parsed:
     value: Fraction
     numbers: list[int]
     """The integer literals, in order of appearance."""
+    steps: list[str]
+    """Each operation as it is computed, innermost first: "3*7=21", "21+12=33"."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,33 +54,41 @@ def parse(text: str, allowed: tuple[type, ...] = tuple(OPERATORS)) -> Parsed | I
     except (SyntaxError, ValueError, MemoryError, RecursionError) as e:
         return Invalid(f"not an expression ({type(e).__name__})")
     numbers: list[int] = []
+    steps: list[str] = []
     try:
-        value = _walk(tree.body, numbers, allowed)
+        value = _walk(tree.body, numbers, steps, allowed)
     except _Refused as e:
         return Invalid(str(e))
     except RecursionError:
         return Invalid("nested too deeply")
-    return Parsed(value=value, numbers=numbers)
+    return Parsed(value=value, numbers=numbers, steps=steps)
 
 
 class _Refused(Exception):
     pass
 
 
-def _walk(node: ast.AST, numbers: list[int], allowed: tuple[type, ...]) -> Fraction:
+SYMBOLS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+
+
+def _walk(
+    node: ast.AST, numbers: list[int], steps: list[str], allowed: tuple[type, ...]
+) -> Fraction:
     if isinstance(node, ast.Constant) and type(node.value) is int:
         if not 0 <= node.value <= MAX_ABS:
             raise _Refused(f"number {node.value} out of range")
         numbers.append(node.value)
         return Fraction(node.value)
     if isinstance(node, ast.BinOp) and type(node.op) in allowed:
-        left = _walk(node.left, numbers, allowed)
-        right = _walk(node.right, numbers, allowed)
+        left = _walk(node.left, numbers, steps, allowed)
+        right = _walk(node.right, numbers, steps, allowed)
         if isinstance(node.op, ast.Div) and right == 0:
             raise _Refused("division by zero")
         value = OPERATORS[type(node.op)](left, right)
         if abs(value) > MAX_ABS:
             raise _Refused("value out of range")
+        symbol = SYMBOLS[type(node.op)]
+        steps.append(f"{format_value(left)}{symbol}{format_value(right)}={format_value(value)}")
         return value
     if isinstance(node, ast.BinOp):
         raise _Refused(f"operator {type(node.op).__name__} is not allowed")

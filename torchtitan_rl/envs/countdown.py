@@ -32,6 +32,7 @@ from torchtitan_rl.envs.base import EnvConfig, Environment, MessageEnv, Rubric, 
 from torchtitan_rl.types import Message, Rollout
 
 SCORE = "countdown_score"
+SOLVED = "countdown_solved"
 VALIDATION_ONE_IN = 8
 MAX_DRAWS = 10_000
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
@@ -52,6 +53,14 @@ class CountdownConfig:
     partial_score: float = 0.1
     """Score of a well-formed answer (only given numbers, each at most once) with the wrong
     value, in [0, 1)."""
+    partial_by_distance: bool = False
+    """Scale the partial score by how close the wrong value is: partial_score * max(0,
+    1 - |value - target| / target), so near misses score more than far ones (a denser
+    signal); false gives every well-formed wrong answer partial_score."""
+    show_work: bool = False
+    """Demonstrations write each operation before the answer ("3*7=21 21+12=33
+    <answer>3*7+12</answer>"), so the warm start teaches the arithmetic step by step; the
+    reward still reads only the answer. Needs ~2x rollout.max_tokens."""
 
     def validate(self) -> None:
         if not 2 <= self.min_numbers <= self.max_numbers <= 4:
@@ -129,8 +138,11 @@ def user_prompt(sample: dict[str, Any]) -> str:
     )
 
 
-def score_reply(reply: str, sample: dict[str, Any], partial: float) -> float:
-    """1 for a correct expression, `partial` for a well-formed wrong one, else 0."""
+def score_reply(
+    reply: str, sample: dict[str, Any], partial: float, by_distance: bool = False
+) -> float:
+    """1 for a correct expression, `partial` for a well-formed wrong one (scaled by
+    1 - |value - target| / target, at least 0, when `by_distance`), else 0."""
     found = ANSWER.findall(reply)
     if not found:
         return 0.0
@@ -139,12 +151,22 @@ def score_reply(reply: str, sample: dict[str, Any], partial: float) -> float:
         return 0.0
     if Counter(parsed.numbers) - Counter(sample["numbers"]):
         return 0.0  # a number not given, or given fewer times
-    return 1.0 if parsed.value == sample["target"] else partial
+    if parsed.value == sample["target"]:
+        return 1.0
+    if not by_distance:
+        return partial
+    target = sample["target"]
+    return partial * float(max(0, 1 - abs(parsed.value - target) / target))
 
 
 def last_score(rollout: Rollout) -> float:
     """The score of the one turn; 0 if it never ran (a truncated rollout)."""
     return rollout.turns[-1].reward_signals.get(SCORE, 0.0) if rollout.turns else 0.0
+
+
+def solved(rollout: Rollout) -> float:
+    """1 for a correct answer: the solve rate, apart from partial scores (a weight-0 metric)."""
+    return float(last_score(rollout) == 1.0)
 
 
 class CountdownEnv(MessageEnv):
@@ -156,7 +178,10 @@ class CountdownEnv(MessageEnv):
         return [{"role": "user", "content": user_prompt(self.sample)}]
 
     async def step(self, assistant_message: str) -> StepResult:
-        score = score_reply(assistant_message, self.sample, self.config.partial_score)
+        config = self.config
+        score = score_reply(
+            assistant_message, self.sample, config.partial_score, config.partial_by_distance
+        )
         return StepResult(messages=[], done=True, reward_signals={SCORE: score})
 
 
@@ -201,13 +226,22 @@ class Countdown(Environment):
         return CountdownEnv(sample, self.section)
 
     def rubric(self) -> Rubric:
-        return Rubric([(SCORE, last_score, 1.0)])
+        return Rubric([(SCORE, last_score, 1.0), (SOLVED, solved, 0.0)])
 
     def demonstration(self, sample: dict[str, Any]) -> list[Message]:
         return [
             {"role": "user", "content": user_prompt(sample)},
-            {"role": "assistant", "content": f"<answer>{sample['solution']}</answer>"},
+            {"role": "assistant", "content": demonstration_reply(sample, self.section.show_work)},
         ]
+
+
+def demonstration_reply(sample: dict[str, Any], show_work: bool) -> str:
+    answer = f"<answer>{sample['solution']}</answer>"
+    if not show_work:
+        return answer
+    parsed = parse(sample["solution"])
+    assert isinstance(parsed, Parsed), sample
+    return " ".join([*parsed.steps, answer])
 
 
 def is_validation(sample: dict[str, Any]) -> bool:
