@@ -1,8 +1,10 @@
 """Countdown: every puzzle is solvable, the reward is exact and never raises."""
 
 import asyncio
+import re
 from collections import Counter
 from fractions import Fraction
+from operator import add, mul, sub, truediv
 
 import numpy as np
 import pytest
@@ -157,16 +159,36 @@ def test_env_plays_one_turn_and_the_rubric_reads_its_score():
 
 def test_show_work_demonstrations_write_each_operation_before_the_answer():
     sample = {"numbers": [3, 7, 12], "target": 33, "solution": "3*7+12"}
-    env = _env(show_work=True)
-    assert env.demonstration(sample)[-1]["content"] == "3*7=21 21+12=33 <answer>3*7+12</answer>"
+    assert (
+        _env(show_work=True).demonstration(sample)[-1]["content"]
+        == "3*7=21 21+12=33 <answer>3*7+12</answer>"
+    )
     assert _env().demonstration(sample)[-1]["content"] == "<answer>3*7+12</answer>"
-    for s in _samples(env, n=100):
-        reply = env.demonstration(s)[-1]["content"]
-        *steps, answer = reply.split(" ")
-        assert score_reply(reply, s, 0.1) == 1.0 and steps[-1].endswith(f"={s['target']}")
-        for step in steps:  # each step is true arithmetic
-            left, right = step.split("=")
-            assert parse(left).value == parse(right).value, step
+    for numbers in (3, 4):
+        env = _env(show_work=True, min_numbers=numbers, max_numbers=numbers)
+        for s in _samples(env, n=150):
+            reply = env.demonstration(s)[-1]["content"]
+            *steps, answer = reply.split(" ")
+            assert score_reply(reply, s, 0.1) == 1.0 and steps[-1].endswith(f"={s['target']}")
+            for step in steps:  # each step is true arithmetic, read as written
+                a, op, b, c = STEP.fullmatch(step).groups()
+                value = {"+": add, "-": sub, "*": mul, "/": truediv}[op](_number(a), _number(b))
+                assert value == _number(c), step
+
+
+STEP = re.compile(r"(\(-?[\d/]+\)|\d+)([-+*/])(\(-?[\d/]+\)|\d+)=(-?[\d/]+)")
+"""One shown step: operands are plain whole numbers or bracketed fractions/negatives."""
+
+
+def _number(text: str) -> Fraction:
+    return Fraction(text.strip("()"))
+
+
+def test_steps_bracket_fractions_and_negatives_so_they_read_right():
+    assert parse("(3 + 5) * 2").steps == ["3+5=8", "8*2=16"]
+    assert parse("1/(1/3)").steps == ["1/3=1/3", "1/(1/3)=3"]
+    assert parse("(1-11)*(6-9)").steps == ["1-11=-10", "6-9=-3", "(-10)*(-3)=30"]
+    assert parse("7").steps == []
 
 
 def test_the_config_runs_countdown_and_its_demonstrations_fit():
@@ -244,3 +266,11 @@ def test_partial_by_distance_scales_the_partial_score_by_closeness(answer, by_di
     env = _env(partial_by_distance=True)
     signals = asyncio.run(env.make_env(SAMPLE).step(reply)).reward_signals
     assert signals["countdown_score"] == pytest.approx(by_distance)
+
+
+def test_partial_by_distance_takes_a_target_of_zero():
+    sample = {"numbers": [3, 7], "target": 0}  # a hand-made sample: no division by zero
+    assert score_reply("<answer>7-3</answer>", sample, 0.1, by_distance=True) == 0.0
+    assert score_reply("<answer>3/7</answer>", sample, 0.1, by_distance=True) == pytest.approx(
+        0.1 * (1 - 3 / 7)
+    )

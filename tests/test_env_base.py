@@ -35,6 +35,10 @@ def test_rubric_rejects_duplicate_names_empty_lists_and_nonfinite_weights():
         Rubric([])
     with pytest.raises(ValueError, match="finite"):
         Rubric([("a", lambda r: 1.0, float("nan"))])
+    for taken in ("mean", "std", "zero_std_frac", "turn_1"):  # would overwrite a metric
+        with pytest.raises(ValueError, match=f"{taken!r} is taken by a metric"):
+            Rubric([(taken, lambda r: 1.0, 1.0)])
+    Rubric([("turn_score", lambda r: 1.0, 1.0), ("mean_gap", lambda r: 1.0, 0.0)])  # fine
 
 
 def test_step_result_has_no_reward_signals_by_default():

@@ -32,6 +32,25 @@ def test_demonstrations_that_never_fit_a_row_stop_before_any_process(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing written, nothing spawned
 
 
+def test_demonstrations_longer_than_max_tokens_get_one_warning(tmp_path, caplog):
+    countdown = ROOT / "train_configs" / "countdown_tiny.toml"
+    shown = [
+        "--env.args.show_work=true",
+        "--validation.max_tokens=40",
+        f"--job.output_dir={tmp_path}",
+    ]
+    with caplog.at_level(logging.WARNING):
+        Controller(load_config(countdown, [*shown, "--rollout.max_tokens=24"]), use_tqdm=False)
+    assert "warm-start demonstrations have an assistant turn longer than rollout.max_tokens=24" in (
+        caplog.text
+    )
+    assert "validation.max_tokens" not in caplog.text  # 40 fits every demonstration
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        Controller(load_config(countdown, [*shown, "--rollout.max_tokens=40"]), use_tqdm=False)
+    assert "longer than" not in caplog.text
+
+
 def _raising_reward_rollouts():
     def reward(rollout):
         return rollout.turns[0].reward_signals["missing"]  # KeyError on every rollout

@@ -31,7 +31,11 @@ from torchtitan_rl.models.tokenizer import Tokenizer
 from torchtitan_rl.reductions import merge, results
 from torchtitan_rl.rollout.advantages import compute_advantages
 from torchtitan_rl.rollout.batcher import pack_batch
-from torchtitan_rl.rollout.episodes import demonstration_episodes, rollout_to_episodes
+from torchtitan_rl.rollout.episodes import (
+    demonstration_episodes,
+    longest_run,
+    rollout_to_episodes,
+)
 from torchtitan_rl.rollout.records import write_step_records
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.router import Router
@@ -127,7 +131,8 @@ class Controller:
         would train on nothing (ValueError naming batcher.seq_len)."""
         cfg = self.config
         samples = [self.environment.train_sample(-1 - i) for i in range(cfg.warm_start.batch_size)]
-        lengths = [len(e) for e in demonstration_episodes(self.environment, self.renderer, samples)]
+        episodes = demonstration_episodes(self.environment, self.renderer, samples)
+        lengths = [len(e) for e in episodes]
         limit = cfg.batcher.seq_len + 1
         if not any(n <= limit for n in lengths):
             raise ValueError(
@@ -135,6 +140,18 @@ class Controller:
                 f"but no warm-start demonstration does ({min(lengths)} to {max(lengths)} tokens "
                 f"in the first batch); raise batcher.seq_len or set warm_start.steps = 0"
             )
+        turns = [longest_run(e.loss_mask_L) for e in episodes]
+        for key, limit in (
+            ("rollout.max_tokens", cfg.rollout.max_tokens),
+            ("validation.max_tokens", cfg.validation.max_tokens),
+        ):
+            over = sum(n > limit for n in turns)
+            if over:
+                logger.warning(
+                    "%d of %d warm-start demonstrations have an assistant turn longer than "
+                    "%s=%d (up to %d tokens): replies like them will be cut off; raise %s",
+                    over, len(turns), key, limit, max(turns), key,
+                )  # fmt: skip
 
     # ---- processes --------------------------------------------------------------------
     def last_step(self) -> int:

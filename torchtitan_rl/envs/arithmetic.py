@@ -7,7 +7,7 @@ attributes, unary minus, floats and huge literals are errors, never exceptions:
 
     parse("(3 + 5) * 2")   -> Parsed(value=Fraction(16), numbers=[3, 5, 2],
                                      steps=["3+5=8", "8*2=16"])
-    parse("2 ** 100")      -> ArithmeticError_("operator Pow is not allowed")
+    parse("2 ** 100")      -> Invalid("operator Pow is not allowed")
 """
 
 from __future__ import annotations
@@ -88,11 +88,17 @@ def _walk(
         if abs(value) > MAX_ABS:
             raise _Refused("value out of range")
         symbol = SYMBOLS[type(node.op)]
-        steps.append(f"{format_value(left)}{symbol}{format_value(right)}={format_value(value)}")
+        steps.append(f"{_operand(left)}{symbol}{_operand(right)}={format_value(value)}")
         return value
     if isinstance(node, ast.BinOp):
         raise _Refused(f"operator {type(node.op).__name__} is not allowed")
     raise _Refused(f"{type(node).__name__} is not allowed")
+
+
+def _operand(value: Fraction) -> str:
+    """A step's operand, bracketed when it is a fraction or negative: "9/(3/11)=33"."""
+    text = format_value(value)
+    return text if value.denominator == 1 and value >= 0 else f"({text})"
 
 
 def format_value(value: Fraction) -> str:

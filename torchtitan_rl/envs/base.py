@@ -12,6 +12,7 @@ settings are a dataclass named by `config_class`, filled from the `[env.args]` t
 from __future__ import annotations
 
 import math
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +78,10 @@ RewardFn = Callable[[Rollout], float]
 """Scores a finished rollout; may read `rollout.sample` and `rollout.turns[i].reward_signals`."""
 
 
+RESERVED_NAMES = frozenset({"mean", "std", "zero_std_frac"})
+"""Rubric names that would overwrite the reward metrics of the same name."""
+
+
 class Rubric:
     """A weighted sum of named reward functions.
 
@@ -91,6 +96,11 @@ class Rubric:
         if len(set(names)) != len(names):
             raise ValueError(f"Rubric function names must be unique, got {names}")
         for name, _, weight in funcs:
+            if name in RESERVED_NAMES or re.fullmatch(r"turn_\d+", name):
+                raise ValueError(
+                    f"Rubric function name {name!r} is taken by a metric "
+                    f"(validation_reward/{name}); reserved: mean, std, zero_std_frac, turn_<n>"
+                )
             if not math.isfinite(weight):
                 raise ValueError(f"Rubric weight of {name!r} must be finite, got {weight}")
         self.funcs = tuple(funcs)

@@ -55,7 +55,7 @@ class CountdownConfig:
     value, in [0, 1)."""
     partial_by_distance: bool = False
     """Scale the partial score by how close the wrong value is: partial_score * max(0,
-    1 - |value - target| / target), so near misses score more than far ones (a denser
+    1 - |value - target| / max(target, 1)), so near misses score more than far ones (a denser
     signal); false gives every well-formed wrong answer partial_score."""
     show_work: bool = False
     """Demonstrations write each operation before the answer ("3*7=21 21+12=33
@@ -155,8 +155,8 @@ def score_reply(
         return 1.0
     if not by_distance:
         return partial
-    target = sample["target"]
-    return partial * float(max(0, 1 - abs(parsed.value - target) / target))
+    scale = max(abs(sample["target"]), 1)  # a hand-made target of 0 must not divide by 0
+    return partial * float(max(0, 1 - abs(parsed.value - sample["target"]) / scale))
 
 
 def last_score(rollout: Rollout) -> float:

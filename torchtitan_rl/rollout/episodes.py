@@ -151,3 +151,10 @@ def demonstration_episodes(
             )
         )
     return episodes
+
+
+def longest_run(mask_L: np.ndarray) -> int:
+    """Length of the longest run of true values: a demonstration's longest assistant turn."""
+    padded = np.concatenate([[0], np.asarray(mask_L, dtype=np.int8), [0]])
+    edges = np.flatnonzero(np.diff(padded))
+    return int((edges[1::2] - edges[::2]).max(initial=0))
