@@ -188,3 +188,128 @@ def test_bad_config_is_rejected_naming_the_field(kwargs, field):
         pack_batch([], config=BatcherConfig(**kwargs), num_ranks=1, pad_id=0)
     with pytest.raises(ValueError, match="num_ranks"):
         pack_batch([], config=BatcherConfig(), num_ranks=0, pad_id=0)
+
+
+def tree_mask_SS(document_ids_S, branch_ids_S):
+    """The trainer's mask for prefix trees: a branch sees the shared prefix (0) and itself."""
+    kv, q = branch_ids_S[None, :], branch_ids_S[:, None]
+    return attention_mask_SS(document_ids_S) & ((kv == 0) | (kv == q))
+
+
+def group_episodes(rng, num_groups, max_size, prompt_len, max_answer, turns=1):
+    """Groups of episodes that start with their group's prompt (then differ), as GRPO makes
+    them; with turns > 1 an untrained env reply sits between trained answers."""
+    episodes = []
+    for g in range(num_groups):
+        prompt = rng.integers(0, 50, size=int(rng.integers(1, prompt_len + 1)))
+        for _ in range(int(rng.integers(1, max_size + 1))):
+            parts, mask = [prompt], [np.zeros(len(prompt), bool)]
+            for t in range(turns):
+                if t:  # an env reply: untrained
+                    parts.append(rng.integers(0, 50, size=3))
+                    mask.append(np.zeros(3, bool))
+                answer = rng.integers(0, 3, size=int(rng.integers(1, max_answer + 1)))
+                parts.append(answer)  # few distinct tokens: siblings often start alike
+                mask.append(np.ones(len(answer), bool))
+            tokens, mask_L = np.concatenate(parts).astype(np.int32), np.concatenate(mask)
+            episodes.append(
+                Episode(
+                    token_ids_L=tokens,
+                    loss_mask_L=mask_L,
+                    logprobs_L=np.where(mask_L, -rng.random(len(tokens)), 0).astype(np.float32),
+                    advantages_L=np.where(mask_L, rng.normal(), 0).astype(np.float32),
+                    group_id=g,
+                )
+            )
+    return episodes
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_groups=st.integers(1, 4),
+    max_size=st.integers(1, 6),
+    prompt_len=st.integers(1, 12),
+    turns=st.integers(1, 2),
+    seq_len=st.integers(16, 64),
+    num_ranks=st.integers(1, 2),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_prefix_trees_give_every_label_exactly_its_episode_context(
+    num_groups, max_size, prompt_len, turns, seq_len, num_ranks, seed
+):
+    """Reading a packed row through the tree mask, each trained label sees exactly its own
+    episode's tokens before it, at positions 0.. in order: the same context as packing the
+    episode whole, from fewer slots."""
+    rng = np.random.default_rng(seed)
+    episodes = group_episodes(rng, num_groups, max_size, prompt_len, 6, turns)
+    kept = [e for e in episodes if trainable(e, seq_len)]
+    shared = BatcherConfig(seq_len=seq_len, rows_per_microbatch=2)
+    whole = BatcherConfig(seq_len=seq_len, rows_per_microbatch=2, share_prefix=False)
+    batches, metrics = pack_batch(episodes, config=shared, num_ranks=num_ranks, pad_id=PAD)
+    _, whole_metrics = pack_batch(episodes, config=whole, num_ranks=num_ranks, pad_id=PAD)
+    used, whole_used = (
+        results(metrics)["batcher/num_tokens"],
+        results(whole_metrics)["batcher/num_tokens"],
+    )  # noqa: E501
+    assert used <= whole_used == sum(len(e) - 1 for e in kept)
+
+    seen = {}  # (sequence id, label index) -> (context, positions, label, logprob, advantage)
+    for mb in (mb for rank in batches for mb in rank):
+        branch_RS = (
+            np.zeros_like(mb.document_ids_RS) if mb.branch_ids_RS is None else mb.branch_ids_RS
+        )
+        assert mb.num_global_sequences == len(kept)
+        for r in range(mb.input_ids_RS.shape[0]):
+            mask_SS = tree_mask_SS(mb.document_ids_RS[r], branch_RS[r])
+            for t in np.flatnonzero(mb.loss_mask_RS[r]):
+                sid = int(mb.sequence_ids_RS[r, t])
+                visible = np.flatnonzero(mask_SS[t])
+                context = mb.input_ids_RS[r, visible]
+                key = (sid, len(context))  # label index = tokens before it
+                assert key not in seen
+                seen[key] = (
+                    context, mb.positions_RS[r, visible], mb.labels_RS[r, t],
+                    mb.logprobs_RS[r, t], mb.advantages_RS[r, t],
+                )  # fmt: skip
+    assert len(seen) == results(metrics)["batcher/num_loss_tokens"]
+    for sid, e in enumerate(kept):
+        for j in np.flatnonzero(e.loss_mask_L):
+            context, positions, label, logprob, advantage = seen[(sid, int(j))]
+            assert np.array_equal(context, e.token_ids_L[:j])
+            assert np.array_equal(positions, np.arange(j))
+            assert label == e.token_ids_L[j]
+            assert logprob == e.logprobs_L[j] and advantage == e.advantages_L[j]
+
+
+def test_a_group_packs_its_prompt_once_and_each_answer_after_it():
+    prompt = np.array([5, 6, 7, 8], np.int32)
+    episodes = [
+        Episode(
+            token_ids_L=np.concatenate([prompt, answer]).astype(np.int32),
+            loss_mask_L=np.array([0, 0, 0, 0] + [1] * len(answer), bool),
+            logprobs_L=np.zeros(4 + len(answer), np.float32),
+            advantages_L=np.zeros(4 + len(answer), np.float32),
+            group_id=3,
+        )
+        for answer in ([1, 2], [1, 3, 4], [9])
+    ]
+    config = BatcherConfig(seq_len=12, rows_per_microbatch=1)
+    [[mb]], metrics = pack_batch(episodes, config=config, num_ranks=1, pad_id=PAD)
+    # shared inputs 5 6 7, then each branch from the prompt's last token
+    assert mb.input_ids_RS[0].tolist() == [5, 6, 7, 8, 1, 8, 1, 3, 8, PAD, PAD, PAD]
+    assert mb.labels_RS[0].tolist() == [6, 7, 8, 1, 2, 1, 3, 4, 9, PAD, PAD, PAD]
+    assert mb.positions_RS[0].tolist() == [0, 1, 2, 3, 4, 3, 4, 5, 3, 0, 0, 0]
+    assert mb.branch_ids_RS[0].tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 0, 0, 0]
+    assert mb.document_ids_RS[0].tolist() == [0] * 9 + [-1] * 3
+    assert mb.sequence_ids_RS[0].tolist() == [-1, -1, -1, 0, 0, 1, 1, 1, 2, -1, -1, -1]
+    assert mb.loss_mask_RS[0].tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0]
+    assert results(metrics)["batcher/num_tokens"] == 9  # 5 + 6 + 4 = 15 packed whole
+    # a row too short for the whole tree: it is cut, each part with its own prefix copy
+    config = BatcherConfig(seq_len=8, rows_per_microbatch=2)
+    [[mb]], metrics = pack_batch(episodes, config=config, num_ranks=1, pad_id=PAD)
+    # the first two share a tree of 3 + 2 + 3 slots; the third is packed whole (4)
+    assert results(metrics)["batcher/num_tokens"] == 3 + 2 + 3 + 4
+    # share_prefix = false: every episode whole, no branch ids
+    config = BatcherConfig(seq_len=16, rows_per_microbatch=1, share_prefix=False)
+    [[mb]], metrics = pack_batch(episodes, config=config, num_ranks=1, pad_id=PAD)
+    assert mb.branch_ids_RS is None and results(metrics)["batcher/num_tokens"] == 15

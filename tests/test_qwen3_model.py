@@ -64,21 +64,36 @@ def test_padding_does_not_change_real_tokens():
     torch.testing.assert_close(lp.double(), ref, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("trees", [False, True])
 @pytest.mark.parametrize("S", [256, 200, 40])
-def test_document_block_mask_covers_exactly_the_allowed_pairs(S):
+def test_document_block_mask_covers_exactly_the_allowed_pairs(S, trees):
     """Every allowed (query, key) pair lies in a kept tile, a full tile holds only allowed
-    pairs, and a tile is never both; S need not be a multiple of the block."""
+    pairs, and a tile is never both; S need not be a multiple of the block. With prefix
+    trees (a shared prefix, then branches that must not see each other) too, and mask_mod
+    settles every pair of the kept tiles exactly."""
     rng = np.random.default_rng(S)
-    docs = np.full((3, S), -1)
+    docs, branches = np.full((3, S), -1), np.zeros((3, S), dtype=np.int64)
     for r, used in enumerate([S - 8, S - 60, S]):  # packed documents, then padding
         pos, doc = 0, 0
         while pos < used:
             n = min(int(rng.integers(1, 90)), used - pos)
-            docs[r, pos : pos + n], pos, doc = doc, pos + n, doc + 1
-    docs_BS = torch.from_numpy(docs)
+            docs[r, pos : pos + n] = doc
+            if trees and n > 4:  # a prefix, then 1-3 branches of random lengths
+                cuts = np.sort(rng.choice(np.arange(2, n), size=min(3, n - 2), replace=False))
+                for k, (a, b) in enumerate(zip(cuts, [*cuts[1:], n]), start=1):
+                    branches[r, pos + a : pos + b] = k
+            pos, doc = pos + n, doc + 1
+    if trees:  # one long tree: a prefix and two branches spanning whole blocks
+        docs[2], branches[2] = 0, 0
+        branches[2, S // 2 : 3 * S // 4], branches[2, 3 * S // 4 :] = 1, 2
+    docs_BS, branch_BS = torch.from_numpy(docs), torch.from_numpy(branches)
     block = 32
-    mask = document_block_mask(docs_BS, block=block)
-    allowed_BSS = document_attention_mask(docs_BS).dense_B1SS[:, 0]
+    mask = document_block_mask(docs_BS, block=block, branch_ids_BS=branch_BS if trees else None)
+    allowed_BSS = document_attention_mask(docs_BS, branch_BS if trees else None).dense_B1SS[:, 0]
+    if trees:  # the branches really hide siblings somewhere
+        assert (allowed_BSS != document_attention_mask(docs_BS).dense_B1SS[:, 0]).any()
+    b, q, kv = torch.meshgrid(torch.arange(3), torch.arange(S), torch.arange(S), indexing="ij")
+    assert torch.equal(mask.mask_mod(b, 0, q, kv), allowed_BSS)
 
     def tiles(num_B1N, idx_B1NN):
         nb = idx_B1NN.shape[-1]
@@ -95,6 +110,47 @@ def test_document_block_mask_covers_exactly_the_allowed_pairs(S):
     assert (partial & ~allowed_BSS).any()  # kept tiles may hold masked pairs
     assert full.any() or S < 2 * block
     assert mask.seq_lengths == (S, S)
+
+
+def test_a_prefix_tree_gives_the_log_probs_and_gradients_of_its_branches_packed_whole():
+    """float64: a shared prompt P once, then branches A and B (each starting from P's last
+    token), against P+A and P+B as two separate documents; a third plain document after
+    the tree checks that trees and plain documents share a row."""
+    model = _model().double()
+    P, A, B, C = (torch.randint(0, VOCAB, (n,)) for n in (6, 4, 3, 5))
+    # whole: [P A] [P B] [C]; inputs are all tokens but the last of each document
+    pa, pb = torch.cat([P, A]), torch.cat([P, B])
+    w_tokens = torch.cat([pa[:-1], pb[:-1], C[:-1]])[None]
+    w_pos = torch.cat([torch.arange(9), torch.arange(8), torch.arange(4)])[None]
+    w_docs = torch.tensor([[0] * 9 + [1] * 8 + [2] * 4])
+    w_targets = torch.cat([pa[1:], pb[1:], C[1:]])
+    w_loss = torch.cat([torch.arange(5, 9), torch.arange(9 + 5, 9 + 8), torch.arange(17, 21)])
+    # tree: P[:5] shared, then P[5] A[:-1] and P[5] B[:-1]; then C
+    t_tokens = torch.cat([P[:5], P[5:], A[:-1], P[5:], B[:-1], C[:-1]])[None]
+    t_pos = torch.cat([torch.arange(5), torch.arange(5, 9), torch.arange(5, 8), torch.arange(4)])
+    t_docs = torch.tensor([[0] * 12 + [1] * 4])
+    t_branch = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3 + [0] * 4])
+    t_targets = torch.cat([A, B, C[1:]])
+    t_loss = torch.cat([torch.arange(5, 9), torch.arange(9, 12), torch.arange(12, 16)])
+    assert torch.equal(w_targets[w_loss], t_targets)
+
+    def run(tokens, pos, docs, loss, targets, branch=None):
+        model.zero_grad()
+        lp, ent = model(tokens, pos[None] if pos.dim() == 1 else pos, docs, loss, targets,
+                        branch_ids_BS=branch)  # fmt: skip
+        weights = torch.linspace(-1, 2, lp.numel(), dtype=lp.dtype)
+        ((weights * lp).sum() + ent.sum()).backward()
+        return lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]
+
+    whole = run(w_tokens, w_pos, w_docs, w_loss, w_targets[w_loss])
+    tree = run(t_tokens, t_pos, t_docs, t_loss, t_targets, t_branch)
+    torch.testing.assert_close(tree[0], whole[0], atol=1e-12, rtol=0)
+    torch.testing.assert_close(tree[1], whole[1], atol=1e-12, rtol=0)
+    for g_tree, g_whole in zip(tree[2], whole[2]):
+        torch.testing.assert_close(g_tree, g_whole, atol=1e-11, rtol=0)
+    # without the branch ids B would see A: different log-probs (the mask is what isolates)
+    leaky = run(t_tokens, t_pos, t_docs, t_loss, t_targets)
+    assert (leaky[0][4:7] - whole[0][4:7]).abs().max() > 1e-6
 
 
 def test_gradients_reach_every_parameter():

@@ -181,7 +181,8 @@ class Microbatch:
     (`document_ids_RS`, -1 on padding) and positions restart at 0 for every document.
     `labels_RS[r, t]` is the token after `input_ids_RS[r, t]`; the per-token arrays below are
     aligned with labels: `loss_mask_RS[r, t]` says whether label t is trained on.
-    `sequence_ids_RS` numbers episodes within the whole step (-1 on padding) for
+    `sequence_ids_RS` numbers episodes within the whole step (-1 on padding and on a prefix
+    tree's shared prefix, whose labels are never trained; see `branch_ids_RS`) for
     sequence-level losses. `num_global_loss_tokens` counts loss tokens over all ranks
     and microbatches of the step (token-mean denominator).
     """
@@ -198,3 +199,6 @@ class Microbatch:
     num_global_sequences: int
     support_ids: np.ndarray | None = None  # int32 CSR over loss tokens in row-major order
     support_offsets: np.ndarray | None = None
+    branch_ids_RS: np.ndarray | None = None
+    """int32, set when a document is a prefix tree: 0 on its shared prefix (and on every
+    plain document), k >= 1 on its k-th continuation; None = all 0."""

@@ -119,50 +119,81 @@ class DenseMaskAttention(nn.Module):
         )
 
 
-def document_attention_mask(document_ids_BS: torch.Tensor) -> BlockMask:
-    """Causal attention within each document; padding (-1) attends only to padding."""
+def document_attention_mask(
+    document_ids_BS: torch.Tensor, branch_ids_BS: torch.Tensor | None = None
+) -> BlockMask:
+    """Causal attention within each document; padding (-1) attends only to padding.
+
+    A document may be a prefix tree (`branch_ids_BS`, None = all 0): its shared prefix is
+    branch 0 and each continuation a branch k >= 1 laid out after it, so a token sees the
+    shared prefix and the earlier tokens of its own branch, never a sibling branch.
+    """
     if document_ids_BS.device.type == "cpu":
-        same_doc = document_ids_BS[:, :, None] == document_ids_BS[:, None, :]
-        causal = torch.ones_like(same_doc[0]).tril_()
-        return DocumentMask((same_doc & causal)[:, None])
-    return document_block_mask(document_ids_BS)
+        allowed = document_ids_BS[:, :, None] == document_ids_BS[:, None, :]
+        allowed &= torch.ones_like(allowed[0]).tril_()
+        if branch_ids_BS is not None:
+            q, kv = branch_ids_BS[:, :, None], branch_ids_BS[:, None, :]
+            allowed &= (kv == 0) | (kv == q)
+        return DocumentMask(allowed[:, None])
+    return document_block_mask(document_ids_BS, branch_ids_BS=branch_ids_BS)
 
 
 MASK_BLOCK = 128
 """Tokens per side of a FlexAttention mask tile (its default sparse block size)."""
 
 
-def document_block_mask(document_ids_BS: torch.Tensor, block: int = MASK_BLOCK) -> BlockMask:
+def document_block_mask(
+    document_ids_BS: torch.Tensor,
+    block: int = MASK_BLOCK,
+    branch_ids_BS: torch.Tensor | None = None,
+) -> BlockMask:
     """The FlexAttention BlockMask of `document_attention_mask`, built per tile of
     block x block tokens from each block's range of document ids, O(B * (S / block)^2),
     instead of evaluating all B * S * S token pairs (create_block_mask's way).
 
     Tile (query block i, key block j) is kept when j <= i and the two id ranges overlap:
     a superset of the tiles holding an allowed pair, whose tokens mask_mod then settles. It
-    is full (mask_mod skipped) when j < i, both blocks lie inside S and all their tokens
-    belong to one and the same document.
+    is full (mask_mod skipped) when j < i, both blocks lie inside S, all their tokens
+    belong to one and the same document, and each block lies in one branch, the key
+    block's being the shared prefix (0) or the query block's.
     """
     docs = document_ids_BS
+    branches = torch.zeros_like(docs) if branch_ids_BS is None else branch_ids_BS
     B, S = docs.shape
     nb = -(-S // block)
-    tail_B = docs[:, -1:].expand(B, nb * block - S)  # repeat the last id: ranges unchanged
-    blocks_BNK = torch.cat([docs, tail_B], dim=1).view(B, nb, block)
-    lo_BN, hi_BN = blocks_BNK.amin(-1), blocks_BNK.amax(-1)
-    q_lo, q_hi = lo_BN[:, :, None], hi_BN[:, :, None]  # query block i, [B, N, 1]
-    k_lo, k_hi = lo_BN[:, None, :], hi_BN[:, None, :]  # key block j, [B, 1, N]
     i = torch.arange(nb, device=docs.device)
     inside_N = (i + 1) * block <= S  # S need not fill the last block
-    one_doc_BN = (lo_BN == hi_BN) & inside_N
-    full_BNN = (i[:, None] > i) & one_doc_BN[:, :, None] & one_doc_BN[:, None, :] & (q_lo == k_lo)
+    lo_BN, hi_BN = _block_ranges(docs, block)
+    b_lo_BN, b_hi_BN = _block_ranges(branches, block)
+    q_lo, q_hi = lo_BN[:, :, None], hi_BN[:, :, None]  # query block i, [B, N, 1]
+    k_lo, k_hi = lo_BN[:, None, :], hi_BN[:, None, :]  # key block j, [B, 1, N]
+    one_doc_BN = (lo_BN == hi_BN) & (b_lo_BN == b_hi_BN) & inside_N
+    q_branch, k_branch = b_lo_BN[:, :, None], b_lo_BN[:, None, :]
+    seen_BNN = (k_branch == 0) | (k_branch == q_branch)
+    full_BNN = (
+        (i[:, None] > i) & one_doc_BN[:, :, None] & one_doc_BN[:, None, :] & (q_lo == k_lo)
+        & seen_BNN
+    )  # fmt: skip
     partial_BNN = (i[:, None] >= i) & (q_lo <= k_hi) & (k_lo <= q_hi) & ~full_BNN
 
     def mask_mod(b, h, q, kv):
-        return (q >= kv) & (docs[b, q] == docs[b, kv])
+        seen = (branches[b, kv] == 0) | (branches[b, kv] == branches[b, q])
+        return (q >= kv) & (docs[b, q] == docs[b, kv]) & seen
 
     return BlockMask.from_kv_blocks(
         *_ordered_blocks(partial_BNN), *_ordered_blocks(full_BNN),
         BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(S, S),
     )  # fmt: skip
+
+
+def _block_ranges(ids_BS: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lowest and highest id in each block of `block` tokens, [B, N] each (the last id
+    repeats past S, so a short last block keeps its range)."""
+    B, S = ids_BS.shape
+    nb = -(-S // block)
+    tail_B = ids_BS[:, -1:].expand(B, nb * block - S)
+    blocks_BNK = torch.cat([ids_BS, tail_B], dim=1).view(B, nb, block)
+    return blocks_BNK.amin(-1), blocks_BNK.amax(-1)
 
 
 def _ordered_blocks(tiles_BNN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,9 +264,11 @@ class PolicyModel(Qwen3Model):
         targets_N: torch.Tensor,
         temperature: float = 1.0,
         support: tuple[torch.Tensor, torch.Tensor] | None = None,
+        branch_ids_BS: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns fp32 (logprobs_N, entropy_N) of targets at flat positions loss_index_N."""
-        masks = document_attention_mask(document_ids_BS)
+        """Returns fp32 (logprobs_N, entropy_N) of targets at flat positions loss_index_N;
+        `branch_ids_BS` lays prefix trees out in documents (`document_attention_mask`)."""
+        masks = document_attention_mask(document_ids_BS, branch_ids_BS)
         h = self.tok_embeddings(tokens_BS)
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, masks, positions_BS)

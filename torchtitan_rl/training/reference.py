@@ -65,6 +65,7 @@ class ReferencePolicy:
             tensors["targets_N"],
             temperature,
             tensors.get("support"),
+            tensors.get("branch_ids_BS"),
         )
         return logprobs_N
 

@@ -144,6 +144,8 @@ class TrainerCore:
         }
         if mb.support_ids is not None:
             out["support"] = (to(mb.support_ids, torch.long), to(mb.support_offsets, torch.long))
+        if mb.branch_ids_RS is not None:
+            out["branch_ids_BS"] = to(mb.branch_ids_RS, torch.long)
         return out
 
     def _logprobs(self, t: dict[str, torch.Tensor], temperature: float):
@@ -155,6 +157,7 @@ class TrainerCore:
             t["targets_N"],
             temperature,
             t.get("support"),
+            t.get("branch_ids_BS"),
         )
 
     # ---- steps ------------------------------------------------------------------------
