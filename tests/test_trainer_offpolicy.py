@@ -11,6 +11,7 @@ from fakes import tiny_core
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.rollout.batcher import BatcherConfig, pack_batch
+from torchtitan_rl.training.trainer_config import TrainingConfig
 from torchtitan_rl.types import Episode
 
 VOCAB = 96
@@ -132,6 +133,25 @@ def test_a_skipped_step_leaves_the_learning_rate_schedule_where_it_was():
     assert out["trainer/skipped_steps"] == 1 and out["trainer/lr"] == lr0
     out = core.train_step([_batch(_episodes(9))], 1.0)
     assert out["trainer/skipped_steps"] == 1 and out["trainer/lr"] > lr0
+
+
+def test_lr_decay_to_ends_the_run_at_that_fraction_of_lr_by_cosine():
+    def used_lrs(core, n):  # the learning rate each update runs with
+        lrs = []
+        for i in range(n):
+            lrs.append(core.optimizer.param_groups[0]["lr"])
+            core.train_step([_batch(_episodes(20 + i))], 1.0)
+        return lrs
+
+    # warmup 1/2, then 1 -> 0.1 over the remaining 4 optimizer steps (cos 0, pi/3, 2pi/3, pi)
+    cosine = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 3)) for k in range(4)]
+    expected = [1e-2 * f for f in [0.5, *cosine, 0.1]]  # a step past the end stays at 0.1
+    decayed = _core(lr=1e-2, steps=5, warmup_steps=1, lr_decay_to=0.1)
+    assert used_lrs(decayed, 6) == pytest.approx(expected, rel=1e-9)
+    constant = _core(lr=1e-2, steps=5, warmup_steps=1)
+    assert used_lrs(constant, 3) == pytest.approx([5e-3, 1e-2, 1e-2], rel=1e-9)
+    with pytest.raises(ValueError, match=r"training.lr_decay_to must be in \[0, 1\], got 1.5"):
+        TrainingConfig(lr_decay_to=1.5).validate()
 
 
 def test_kl_reference_folder_is_the_reference(tmp_path):

@@ -86,10 +86,7 @@ class TrainerCore:
             self.start_rl()  # the initial policy, until the warm start has run
         self.policy_version = 0
         self.optimizer = self._adamw(training.lr)
-        warmup = max(training.warmup_steps, 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0
-        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, training.lr_factor)
         self.skipped_steps = 0
 
     def _shard(self, model: PolicyModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torchtitan_rl.device import DTYPE_NAMES
@@ -19,6 +20,9 @@ class TrainingConfig:
     """AdamW learning rate after warmup."""
     warmup_steps: int = 0
     """Linear learning-rate warmup, in optimizer steps."""
+    lr_decay_to: float = 1.0
+    """Learning rate at the last RL step as a fraction of `lr`, reached by cosine decay
+    after the warmup (over steps x minibatches optimizer steps); 1 keeps it constant."""
     minibatches: int = 1
     """Optimizer steps per RL step: the step's groups are split into this many minibatches
     of whole groups; weights go to the generator once, after the last."""
@@ -33,7 +37,18 @@ class TrainingConfig:
     attention and MLP fused by Inductor). The first step pays the compilation (~10 s for
     Qwen3-0.6B on an H200); meant for GPU, works on CPU too."""
 
+    def lr_factor(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (from 0), as a fraction of `lr`."""
+        warmup = max(self.warmup_steps, 0)
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        span = self.steps * self.minibatches - 1 - warmup
+        done = min(1.0, (step - warmup) / span) if span > 0 else 1.0
+        return self.lr_decay_to + (1 - self.lr_decay_to) * 0.5 * (1 + math.cos(math.pi * done))
+
     def validate(self) -> None:
+        if not 0 <= self.lr_decay_to <= 1:
+            raise ValueError(f"training.lr_decay_to must be in [0, 1], got {self.lr_decay_to}")
         if self.steps < 0:
             raise ValueError(f"training.steps must be >= 0, got {self.steps}")
         if self.stop_after < 0:
