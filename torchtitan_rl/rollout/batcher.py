@@ -188,9 +188,8 @@ def _share_prefixes(docs: list[_Doc], seq_len: int) -> list[_Unit]:
         by_group.setdefault(doc.episode.group_id, []).append(doc)
     units: list[_Unit] = []
     for group in by_group.values():
-        shared = min(_common_prefix([d.episode.token_ids_L for d in group]), *(
-            d.first_loss for d in group
-        )) - 1  # fmt: skip
+        prefix = _common_prefix([d.episode.token_ids_L for d in group])
+        shared = min(prefix, *(d.first_loss for d in group)) - 1
         if len(group) < 2 or shared < 1:
             units.extend(_singles(group))
             continue
