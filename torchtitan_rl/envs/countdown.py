@@ -142,7 +142,7 @@ def score_reply(
     reply: str, sample: dict[str, Any], partial: float, by_distance: bool = False
 ) -> float:
     """1 for a correct expression, `partial` for a well-formed wrong one (scaled by
-    1 - |value - target| / target, at least 0, when `by_distance`), else 0."""
+    1 - |value - target| / max(|target|, 1), at least 0, when `by_distance`), else 0."""
     found = ANSWER.findall(reply)
     if not found:
         return 0.0

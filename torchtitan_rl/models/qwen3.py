@@ -157,32 +157,35 @@ def document_block_mask(
     belong to one and the same document, and each block lies in one branch, the key
     block's being the shared prefix (0) or the query block's.
     """
-    docs = document_ids_BS
-    branches = torch.zeros_like(docs) if branch_ids_BS is None else branch_ids_BS
+    docs, branches = document_ids_BS, branch_ids_BS
     B, S = docs.shape
     nb = -(-S // block)
     i = torch.arange(nb, device=docs.device)
     inside_N = (i + 1) * block <= S  # S need not fill the last block
     lo_BN, hi_BN = _block_ranges(docs, block)
-    b_lo_BN, b_hi_BN = _block_ranges(branches, block)
     q_lo, q_hi = lo_BN[:, :, None], hi_BN[:, :, None]  # query block i, [B, N, 1]
     k_lo, k_hi = lo_BN[:, None, :], hi_BN[:, None, :]  # key block j, [B, 1, N]
-    one_doc_BN = (lo_BN == hi_BN) & (b_lo_BN == b_hi_BN) & inside_N
-    q_branch, k_branch = b_lo_BN[:, :, None], b_lo_BN[:, None, :]
-    seen_BNN = (k_branch == 0) | (k_branch == q_branch)
-    full_BNN = (
-        (i[:, None] > i) & one_doc_BN[:, :, None] & one_doc_BN[:, None, :] & (q_lo == k_lo)
-        & seen_BNN
-    )  # fmt: skip
+    one_doc_BN = (lo_BN == hi_BN) & inside_N
+    full_BNN = (i[:, None] > i) & (q_lo == k_lo)
+    if branches is not None:  # one branch per block, the key block's 0 or the query's
+        b_lo_BN, b_hi_BN = _block_ranges(branches, block)
+        one_doc_BN &= b_lo_BN == b_hi_BN
+        q_branch, k_branch = b_lo_BN[:, :, None], b_lo_BN[:, None, :]
+        full_BNN &= (k_branch == 0) | (k_branch == q_branch)
+    full_BNN &= one_doc_BN[:, :, None] & one_doc_BN[:, None, :]
     partial_BNN = (i[:, None] >= i) & (q_lo <= k_hi) & (k_lo <= q_hi) & ~full_BNN
 
     def mask_mod(b, h, q, kv):
+        return (q >= kv) & (docs[b, q] == docs[b, kv])
+
+    def tree_mask_mod(b, h, q, kv):
         seen = (branches[b, kv] == 0) | (branches[b, kv] == branches[b, q])
-        return (q >= kv) & (docs[b, q] == docs[b, kv]) & seen
+        return mask_mod(b, h, q, kv) & seen
 
     return BlockMask.from_kv_blocks(
         *_ordered_blocks(partial_BNN), *_ordered_blocks(full_BNN),
-        BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(S, S),
+        BLOCK_SIZE=block, mask_mod=mask_mod if branches is None else tree_mask_mod,
+        seq_lengths=(S, S),
     )  # fmt: skip
 
 
