@@ -70,10 +70,12 @@ def test_export_dtype_is_the_dtype_of_the_exported_weights(tmp_path, dtype):
     assert json.loads((folder / "config.json").read_text())["torch_dtype"] == dtype
 
 
-def test_cpu_threads_per_proc_overrides_the_core_split():
-    assert ParallelismConfig(cpu_threads_per_proc=3).threads(generator_procs=1) == 3
-    split = ParallelismConfig(trainer_procs=1).threads(generator_procs=1)
-    assert split == max(1, (__import__("os").cpu_count() or 1) // 2)
+def test_cpu_threads_split_the_cores_within_each_role_unless_set(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert ParallelismConfig(cpu_threads_per_proc=3).threads(2) == 3
+    assert ParallelismConfig().threads(2) == 4  # two trainers run at once: half each
+    assert ParallelismConfig().threads(1) == 8  # one generator runs alone: every core
+    assert ParallelismConfig().threads(16) == 1
 
 
 def test_decode_attention_picks_the_kernel_and_refuses_triton_on_cpu():

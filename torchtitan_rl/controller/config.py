@@ -37,17 +37,20 @@ class ParallelismConfig:
     device: str = "auto"
     """"auto" (CUDA when present, else CPU), "cpu" or "cuda"."""
     cpu_threads_per_proc: int = 0
-    """torch threads in each trainer/generator process on CPU; 0 = cores / processes.
-    Oversubscribed cores made tiny-model steps ~10x slower on a 2-core machine."""
+    """torch threads in each trainer/generator process on CPU; 0 = each role gets the cores
+    split over its own processes (trainers: cores / trainer_procs; generators: cores /
+    generator replicas). The loop is synchronous, so the trainers wait while the generators
+    run and the other way round; oversubscribed cores within one phase made tiny-model steps
+    ~10x slower on a 2-core machine."""
 
-    def threads(self, generator_procs: int) -> int:
-        """torch threads per process on CPU: the set value, or the cores split over the
-        trainer processes and the `generator_procs` generator processes."""
+    def threads(self, procs: int) -> int:
+        """torch threads per process of a role with `procs` processes on CPU: the set value,
+        or the cores split over them."""
         import os
 
         if self.cpu_threads_per_proc:
             return self.cpu_threads_per_proc
-        return max(1, (os.cpu_count() or 1) // (self.trainer_procs + generator_procs))
+        return max(1, (os.cpu_count() or 1) // procs)
 
     @property
     def dp(self) -> int:

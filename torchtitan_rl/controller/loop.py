@@ -213,7 +213,6 @@ class Controller:
         self.meshes = [trainer_procs, *generator_meshes]
         await setup_torch_elastic_env_async(trainer_procs)
         vocab = self.tokenizer.vocab_size
-        threads = cfg.parallelism.threads(generator_procs=replicas)
         self.trainer = trainer_procs.spawn(
             "trainer",
             TrainerActor,
@@ -224,7 +223,7 @@ class Controller:
             vocab_size=vocab,
             device=cfg.parallelism.device,
             seed=cfg.job.seed,
-            cpu_threads=threads,
+            cpu_threads=cfg.parallelism.threads(cfg.parallelism.trainer_procs),
             tp=cfg.parallelism.tp,
             log_dir=str(self.log_dir),
         )
@@ -237,7 +236,7 @@ class Controller:
                 engine=cfg.generator,
                 vocab_size=vocab,
                 device=cfg.parallelism.device,
-                cpu_threads=threads,
+                cpu_threads=cfg.parallelism.threads(replicas),
                 actor_name=name,
                 log_dir=str(self.log_dir),
                 hf_folder=hf_folder,
