@@ -4,8 +4,8 @@
     python scripts/bench_checkpoint_slowdown.py --smoke   # tiny model, 2 steps: seconds
 
 Each row runs in a fresh process: the small built-in model, `--threads` torch threads, a
-one-rank gloo process group (as a one-process CPU trainer has), a batch shaped like one
-Countdown step (44 sequences of 82 tokens); it times `--steps` train steps, saves the
+one-rank gloo process group (as a one-process CPU trainer has), a batch of 44 random
+sequences of 82 tokens (a Countdown step's kept samples, each packed whole); it times `--steps` train steps, saves the
 trainer state one way, and times `--steps` more. Rows:
 
 - `save_trainer_state` (ours): DCP without collectives in a group of one (`no_dist`);
