@@ -5,8 +5,8 @@
 
 Each row runs in a fresh process: the small built-in model, `--threads` torch threads, a
 one-rank gloo process group (as a one-process CPU trainer has), a batch of 44 random
-sequences of 82 tokens (a Countdown step's kept samples, each packed whole); it times `--steps` train steps, saves the
-trainer state one way, and times `--steps` more. Rows:
+sequences of 82 tokens (a Countdown step's kept samples, each packed whole); it times
+`--steps` train steps, saves the trainer state one way, and times `--steps` more. Rows:
 
 - `save_trainer_state` (ours): DCP without collectives in a group of one (`no_dist`);
 - `dcp.save with collectives` (DCP's default in a process group, what the trainer did before);
