@@ -64,7 +64,7 @@ def _raising_reward_rollouts():
 
 def test_reward_errors_are_reported_with_their_text_and_traceback(tmp_path, caplog):
     batch = _raising_reward_rollouts()
-    # no spread: every group filtered, through 1 + max_sampling_rounds (4) rounds of 2 groups
+    # no spread: every group filtered, 2 then the rest of the (1 + 4) * 2 groups' budget
     assert batch.groups == [] and len(batch.filtered) == 10
     diagnostics = StepDiagnostics(tmp_path, EnvConfig(), max_tokens=8)
     with caplog.at_level(logging.WARNING):

@@ -15,7 +15,7 @@ from fakes import (
 )
 
 from torchtitan_rl.envs.base import EnvConfig
-from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter, request_seed
+from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter, refill_size, request_seed
 from torchtitan_rl.types import RolloutStatus
 
 
@@ -91,9 +91,10 @@ def test_env_that_raises_is_error_env_and_collect_batch_returns_the_others():
     batch = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
     groups, next_index, metrics = batch.groups, batch.next_index, batch.metrics
     assert [g.rollouts[0].sample["index"] for g in groups] == [0, 2, 3]
-    assert next_index == 4  # 3 prompts, then 1 more to refill the all-error group
+    assert next_index == 5  # 3 prompts, then 1 / (2/3) -> 2 more to refill the error group
     assert metrics["rollout/status/error_env"] == 4 / metrics["rollout/num_rollouts"]
     assert metrics["rollout/num_groups_filtered"] == 1
+    assert metrics["rollout/num_groups_surplus"] == 1
     assert all(r.status is RolloutStatus.COMPLETED for g in groups for r in g.rollouts)
 
 
@@ -147,11 +148,37 @@ def test_zero_spread_groups_are_filtered_and_refilled():
     rollouter = make_rollouter(lambda s: ScriptedEnv([done()]), reward, prompts_per_step=3)
     batch = asyncio.run(rollouter.collect_batch(2, 10, always("ok")))
     groups, next_index, metrics = batch.groups, batch.next_index, batch.metrics
+    # round 1: 10, 11, 12 keeps 2 of 3; the refill samples ceil(1 / (2/3)) = 2: 13, 14
     assert [g.rollouts[0].sample["index"] for g in groups] == [10, 12, 14]
     assert next_index == 15
     assert metrics["rollout/num_groups_filtered"] == 2
-    assert metrics["rollout/num_sampling_rounds"] == 3
+    assert metrics["rollout/num_groups_surplus"] == 0
+    assert metrics["rollout/num_sampling_rounds"] == 2
     assert len({g.group_id for g in groups}) == 3
+
+
+def test_refill_round_samples_the_missing_groups_over_the_kept_share():
+    def reward(rollout):  # samples 10 and 11 have no spread, every later one has
+        return float(rollout.rollout_id) if rollout.sample["index"] >= 12 else 1.0
+
+    rollouter = make_rollouter(lambda s: ScriptedEnv([done()]), reward, prompts_per_step=3)
+    batch = asyncio.run(rollouter.collect_batch(0, 10, always("ok")))
+    # round 1 keeps 1 of 3, so the refill samples 2 / (1/3) = 6 groups (13..18) and keeps
+    # the first two; the other four had spread but the batch was full
+    assert [g.rollouts[0].sample["index"] for g in batch.groups] == [12, 13, 14]
+    assert batch.next_index == 19
+    assert batch.metrics["rollout/num_sampling_rounds"] == 2
+    assert batch.metrics["rollout/num_groups_filtered"] == 2
+    assert batch.metrics["rollout/num_groups_surplus"] == 4
+    assert len(batch.filtered) == 6
+
+
+@pytest.mark.parametrize(
+    ("need", "sampled", "kept", "size"),
+    [(8, 0, 0, 8), (5, 8, 3, 14), (1, 3, 2, 2), (2, 2, 0, 8), (2, 10, 1, 8), (3, 4, 4, 3)],
+)
+def test_refill_size(need, sampled, kept, size):
+    assert refill_size(need, sampled, kept) == size
 
 
 def test_collect_batch_warns_and_returns_what_it_has_after_max_rounds(caplog):
@@ -165,7 +192,8 @@ def test_collect_batch_warns_and_returns_what_it_has_after_max_rounds(caplog):
     assert metrics["rollout/num_sampling_rounds"] == 2
     assert "only 0 of 2 groups" in caplog.text
     assert "after 1 refill rounds (rollout.max_sampling_rounds=1)" in caplog.text
-    assert len(batch.filtered) == 4  # two rounds of two groups, none with spread
+    # 2 groups, then 4x the 2 missing capped by the budget of (1 + 1) * 2; none with spread
+    assert len(batch.filtered) == 4
 
 
 def test_unfiltered_collect_batch_keeps_zero_spread_groups():

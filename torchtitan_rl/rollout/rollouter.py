@@ -41,11 +41,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1  # seeds fit a signed int64 (torch.Generator.manual_seed)
+REFILL_MAX_FACTOR = 4
+"""A refill round samples at most this many times the groups still missing."""
 
 
 @dataclass(kw_only=True, slots=True)
 class CollectedBatch:
-    """One step's rollouts: `groups` train; `filtered` had no reward spread (or errored)."""
+    """One step's rollouts: `groups` train; `filtered` had no reward spread (or errored) or
+    were surplus of a refill round (spread, but the batch was full)."""
 
     groups: list[RolloutGroup]
     next_index: int
@@ -75,7 +78,9 @@ class RolloutConfig:
     """Drop groups whose valid rollouts all got the same reward (no learning signal)."""
     max_sampling_rounds: int = 4
     """Extra prompt batches tried to refill filtered groups (>= 0) before training on what
-    there is (with a warning)."""
+    there is (with a warning). A refill round samples the missing groups divided by the share
+    kept so far this step (at most 4x), so one refill usually fills the batch; a step samples
+    at most (1 + max_sampling_rounds) * prompts_per_step groups in all."""
 
     def validate(self) -> None:
         for name in ("group_size", "prompts_per_step", "max_tokens"):
@@ -285,8 +290,12 @@ class Rollouter:
         sampled: list[RolloutGroup] = []
         index = next_sample_index
         rounds = 0
-        while len(kept) < cfg.prompts_per_step and rounds <= cfg.max_sampling_rounds:
-            need = cfg.prompts_per_step - len(kept)
+        budget = (1 + cfg.max_sampling_rounds) * cfg.prompts_per_step  # groups, at most
+        while len(kept) < cfg.prompts_per_step and len(sampled) < budget:
+            size = min(
+                refill_size(cfg.prompts_per_step - len(kept), len(sampled), len(kept)),
+                budget - len(sampled),
+            )
             first_group = len(sampled)
             groups = await asyncio.gather(
                 *(
@@ -296,13 +305,14 @@ class Rollouter:
                         group_id=first_group + i,
                         step=step,
                     )
-                    for i in range(need)
+                    for i in range(size)
                 )
             )
-            index += need
+            index += size
             rounds += 1
             sampled.extend(groups)
             kept.extend(g for g in groups if not cfg.filter_zero_std_groups or group_has_signal(g))
+        kept, surplus = kept[: cfg.prompts_per_step], kept[cfg.prompts_per_step :]
         if len(kept) < cfg.prompts_per_step:
             logger.warning(
                 "step %d: only %d of %d groups have reward spread after %d refill rounds "
@@ -314,8 +324,19 @@ class Rollouter:
                 cfg.max_sampling_rounds,
             )
         metrics = _batch_metrics(sampled, kept, rounds)
+        metrics["rollout/num_groups_surplus"] = float(len(surplus))
+        metrics["rollout/num_groups_filtered"] -= len(surplus)
         filtered = [g for g in sampled if not any(g is k for k in kept)]
         return CollectedBatch(groups=kept, next_index=index, metrics=metrics, filtered=filtered)
+
+
+def refill_size(need: int, sampled: int, kept: int) -> int:
+    """Groups to sample for `need` more with reward spread: all of them in the first round,
+    then `need` over the share kept so far (floored at 1 / REFILL_MAX_FACTOR), so that one
+    refill round usually fills the batch instead of several ever smaller ones."""
+    if sampled == 0:
+        return need
+    return math.ceil(need / max(kept / sampled, 1 / REFILL_MAX_FACTOR))
 
 
 def _describe(e: BaseException) -> str:
