@@ -170,12 +170,28 @@ def test_refill_round_samples_the_missing_groups_over_the_kept_share():
     assert batch.metrics["rollout/num_sampling_rounds"] == 2
     assert batch.metrics["rollout/num_groups_filtered"] == 2
     assert batch.metrics["rollout/num_groups_surplus"] == 4
-    assert len(batch.filtered) == 6
+    assert [g.rollouts[0].sample["index"] for g in batch.filtered] == [10, 11]
+    assert [g.rollouts[0].sample["index"] for g in batch.surplus] == [15, 16, 17, 18]
+
+
+def test_refills_stop_after_max_sampling_rounds_even_with_budget_left(caplog):
+    def reward(rollout):  # only samples 0..6 have spread: the eighth group never comes
+        return float(rollout.rollout_id) if rollout.sample["index"] < 7 else 1.0
+
+    rollouter = make_rollouter(
+        lambda s: ScriptedEnv([done()]), reward, prompts_per_step=8, max_sampling_rounds=2
+    )
+    with caplog.at_level(logging.WARNING):
+        batch = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
+    # rounds of 8, ceil(1 * 8 / 7) = 2, then ceil(1 * 10 / 7) = 2: 12 of the 24-group budget
+    assert batch.metrics["rollout/num_sampling_rounds"] == 3
+    assert batch.next_index == 12 and len(batch.groups) == 7
+    assert "after 2 refill rounds (rollout.max_sampling_rounds=2)" in caplog.text
 
 
 @pytest.mark.parametrize(
     ("need", "sampled", "kept", "size"),
-    [(8, 0, 0, 8), (5, 8, 3, 14), (1, 3, 2, 2), (2, 2, 0, 8), (2, 10, 1, 8), (3, 4, 4, 3)],
+    [(8, 0, 0, 8), (5, 8, 3, 14), (1, 3, 2, 2), (2, 2, 0, 8), (2, 10, 1, 8), (3, 4, 4, 3), (11, 15, 11, 15)],
 )
 def test_refill_size(need, sampled, kept, size):
     assert refill_size(need, sampled, kept) == size

@@ -380,7 +380,7 @@ class Controller:
         batch = await self.rollouter.collect_batch(step, self.next_sample, self.generate_fn)
         groups, self.next_sample, rollout_stats = batch.groups, batch.next_index, batch.metrics
         t_gen = time.perf_counter()
-        self.diagnostics.report(step, [*groups, *batch.filtered])
+        self.diagnostics.report(step, [*groups, *batch.filtered, *batch.surplus])
         if self.router is not None:
             self.router.reset_sessions()  # sessions never span steps
         for group in groups:

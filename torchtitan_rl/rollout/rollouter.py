@@ -18,7 +18,7 @@ import logging
 import math
 import traceback
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,14 +47,15 @@ REFILL_MAX_FACTOR = 4
 
 @dataclass(kw_only=True, slots=True)
 class CollectedBatch:
-    """One step's rollouts: `groups` train; `filtered` had no reward spread (or errored) or
-    were surplus of a refill round (spread, but the batch was full)."""
+    """One step's rollouts: `groups` train; `filtered` had no reward spread (or errored);
+    `surplus` had spread but came after the batch was full (the last refill round's extra)."""
 
     groups: list[RolloutGroup]
     next_index: int
     """The next unused training sample index."""
     metrics: dict[str, float]
     filtered: list[RolloutGroup]
+    surplus: list[RolloutGroup] = field(default_factory=list)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -282,8 +283,8 @@ class Rollouter:
 
         Returns the kept groups, the next unused sample index, metrics and the groups
         filtered out (errored rollouts among them are reported, not lost). After
-        `max_sampling_rounds` refill rounds it warns and returns what it has, which may be
-        fewer groups or none at all.
+        `max_sampling_rounds` refill rounds, or (1 + max_sampling_rounds) * prompts_per_step
+        groups, it warns and returns what it has, which may be fewer groups or none at all.
         """
         cfg = self._config
         kept: list[RolloutGroup] = []
@@ -291,7 +292,11 @@ class Rollouter:
         index = next_sample_index
         rounds = 0
         budget = (1 + cfg.max_sampling_rounds) * cfg.prompts_per_step  # groups, at most
-        while len(kept) < cfg.prompts_per_step and len(sampled) < budget:
+        while (
+            len(kept) < cfg.prompts_per_step
+            and rounds <= cfg.max_sampling_rounds
+            and len(sampled) < budget
+        ):
             size = min(
                 refill_size(cfg.prompts_per_step - len(kept), len(sampled), len(kept)),
                 budget - len(sampled),
@@ -326,8 +331,11 @@ class Rollouter:
         metrics = _batch_metrics(sampled, kept, rounds)
         metrics["rollout/num_groups_surplus"] = float(len(surplus))
         metrics["rollout/num_groups_filtered"] -= len(surplus)
-        filtered = [g for g in sampled if not any(g is k for k in kept)]
-        return CollectedBatch(groups=kept, next_index=index, metrics=metrics, filtered=filtered)
+        used = [*kept, *surplus]
+        filtered = [g for g in sampled if not any(g is k for k in used)]
+        return CollectedBatch(
+            groups=kept, next_index=index, metrics=metrics, filtered=filtered, surplus=surplus
+        )
 
 
 def refill_size(need: int, sampled: int, kept: int) -> int:
@@ -336,7 +344,9 @@ def refill_size(need: int, sampled: int, kept: int) -> int:
     refill round usually fills the batch instead of several ever smaller ones."""
     if sampled == 0:
         return need
-    return math.ceil(need / max(kept / sampled, 1 / REFILL_MAX_FACTOR))
+    if REFILL_MAX_FACTOR * kept < sampled:
+        return REFILL_MAX_FACTOR * need
+    return -(-need * sampled // kept)  # ceil(need * sampled / kept) in integers
 
 
 def _describe(e: BaseException) -> str:
