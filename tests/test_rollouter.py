@@ -191,7 +191,15 @@ def test_refills_stop_after_max_sampling_rounds_even_with_budget_left(caplog):
 
 @pytest.mark.parametrize(
     ("need", "sampled", "kept", "size"),
-    [(8, 0, 0, 8), (5, 8, 3, 14), (1, 3, 2, 2), (2, 2, 0, 8), (2, 10, 1, 8), (3, 4, 4, 3), (11, 15, 11, 15)],
+    [
+        (8, 0, 0, 8),
+        (5, 8, 3, 14),
+        (1, 3, 2, 2),
+        (2, 2, 0, 8),
+        (2, 10, 1, 8),
+        (3, 4, 4, 3),
+        (11, 15, 11, 15),
+    ],
 )
 def test_refill_size(need, sampled, kept, size):
     assert refill_size(need, sampled, kept) == size

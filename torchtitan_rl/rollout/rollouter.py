@@ -328,9 +328,7 @@ class Rollouter:
                 rounds - 1,
                 cfg.max_sampling_rounds,
             )
-        metrics = _batch_metrics(sampled, kept, rounds)
-        metrics["rollout/num_groups_surplus"] = float(len(surplus))
-        metrics["rollout/num_groups_filtered"] -= len(surplus)
+        metrics = _batch_metrics(sampled, kept, surplus, rounds)
         used = [*kept, *surplus]
         filtered = [g for g in sampled if not any(g is k for k in used)]
         return CollectedBatch(
@@ -366,7 +364,7 @@ def _fail(
 
 
 def _batch_metrics(
-    sampled: list[RolloutGroup], kept: list[RolloutGroup], rounds: int
+    sampled: list[RolloutGroup], kept: list[RolloutGroup], surplus: list[RolloutGroup], rounds: int
 ) -> dict[str, float]:
     """Metrics over every rollout sampled this step (kept or filtered)."""
     rollouts = [r for g in sampled for r in g.rollouts]
@@ -375,7 +373,8 @@ def _batch_metrics(
     metrics: dict[str, float] = {
         "rollout/num_groups_sampled": float(len(sampled)),
         "rollout/num_groups_kept": float(len(kept)),
-        "rollout/num_groups_filtered": float(len(sampled) - len(kept)),
+        "rollout/num_groups_filtered": float(len(sampled) - len(kept) - len(surplus)),
+        "rollout/num_groups_surplus": float(len(surplus)),
         "rollout/num_sampling_rounds": float(rounds),
         "rollout/num_rollouts": float(len(rollouts)),
         "rollout/num_error_rollouts": float(len(rollouts) - len(valid)),
