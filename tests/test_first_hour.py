@@ -25,6 +25,17 @@ def test_group_size_one_is_a_config_error():
         load_config(TINY, ["--rollout.group_size=1"])
 
 
+def test_more_trainer_processes_than_gpus_is_a_config_error(monkeypatch):
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"trainer_procs=2 needs one GPU per trainer process"):
+        load_config(TINY, [])  # trainer_procs = 2, device = "auto"
+    assert load_config(TINY, ["--parallelism.trainer_procs=1"]).parallelism.trainer_procs == 1
+    assert load_config(TINY, ["--parallelism.device=cpu"]).parallelism.trainer_procs == 2
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    with pytest.raises(ConfigError, match=r'device = "cuda", but no CUDA device is visible'):
+        load_config(TINY, ["--parallelism.device=cuda"])
+
+
 def test_demonstrations_that_never_fit_a_row_stop_before_any_process(tmp_path):
     config = load_config(TINY, ["--batcher.seq_len=32", f"--job.output_dir={tmp_path}"])
     with pytest.raises(ValueError, match=r"batcher.seq_len=32 fits episodes of up to 33 tokens"):

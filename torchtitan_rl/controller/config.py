@@ -73,6 +73,24 @@ class ParallelismConfig:
             raise ValueError(
                 f"parallelism.device must be one of auto, cpu, cuda; got {self.device!r}"
             )
+        self.check_gpus()
+
+    def check_gpus(self) -> None:
+        """Each trainer process takes a GPU of its own (NCCL refuses two ranks on one)."""
+        import torch
+
+        gpus = torch.cuda.device_count() if self.device != "cpu" else 0
+        if self.device == "cuda" and not gpus:
+            raise ValueError(
+                'parallelism.device = "cuda", but no CUDA device is visible; valid here: '
+                '"auto" or "cpu"'
+            )
+        if gpus and self.trainer_procs > gpus:
+            raise ValueError(
+                f"parallelism.trainer_procs={self.trainer_procs} needs one GPU per trainer "
+                f"process, but {gpus} GPU(s) are visible; set parallelism.trainer_procs <= "
+                f'{gpus}, or parallelism.device = "cpu"'
+            )
 
 
 @dataclass(kw_only=True, slots=True)
