@@ -80,7 +80,7 @@ class RolloutConfig:
     max_sampling_rounds: int = 4
     """Extra prompt batches tried to refill filtered groups (>= 0) before training on what
     there is (with a warning). A refill round samples the missing groups divided by the share
-    kept so far this step (at most 4x), so one refill usually fills the batch; a step samples
+    kept so far this step (at most 4x), so one refill does the work of several; a step samples
     at most (1 + max_sampling_rounds) * prompts_per_step groups in all."""
 
     def validate(self) -> None:
@@ -339,7 +339,7 @@ class Rollouter:
 def refill_size(need: int, sampled: int, kept: int) -> int:
     """Groups to sample for `need` more with reward spread: all of them in the first round,
     then `need` over the share kept so far (floored at 1 / REFILL_MAX_FACTOR), so that one
-    refill round usually fills the batch instead of several ever smaller ones."""
+    refill round does the work of several ever smaller ones."""
     if sampled == 0:
         return need
     if REFILL_MAX_FACTOR * kept < sampled:
