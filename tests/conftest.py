@@ -1,3 +1,5 @@
+import logging
+
 import pytest
 import torch
 
@@ -9,3 +11,12 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def package_logger_restored():
+    """`train.main` points the package logger at tqdm; later tests expect it as it was."""
+    logger = logging.getLogger("torchtitan_rl")
+    saved = (logger.handlers[:], logger.propagate, logger.level)
+    yield
+    logger.handlers[:], logger.propagate, logger.level = saved

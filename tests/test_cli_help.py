@@ -3,7 +3,6 @@ checked through `main` in this process (one torch import for all of it); the run
 another folder is a real subprocess, since the working directory is what it tests."""
 
 import dataclasses
-import logging
 import os
 import subprocess
 import sys
@@ -19,13 +18,7 @@ from torchtitan_rl.train import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def package_logger_restored():
-    """`main` points the package logger at tqdm; later tests expect it as it was."""
-    logger = logging.getLogger("torchtitan_rl")
-    saved = (logger.handlers[:], logger.propagate, logger.level)
-    yield
-    logger.handlers[:], logger.propagate, logger.level = saved
+pytestmark = pytest.mark.usefixtures("package_logger_restored")
 
 
 def _main(monkeypatch, capsys, *args, config_file=None):

@@ -9,6 +9,7 @@ import pytest
 from fakes import FakeEnvironment, FakeRenderer, ScriptedEnv, always, done
 
 from torchtitan_rl.config import ConfigError, load_config
+from torchtitan_rl.controller.config import ParallelismConfig
 from torchtitan_rl.controller.diagnostics import StepDiagnostics
 from torchtitan_rl.controller.loop import Controller
 from torchtitan_rl.envs.base import EnvConfig
@@ -25,15 +26,21 @@ def test_group_size_one_is_a_config_error():
         load_config(TINY, ["--rollout.group_size=1"])
 
 
-def test_more_trainer_processes_than_gpus_is_a_config_error(monkeypatch):
+@pytest.mark.usefixtures("package_logger_restored")
+def test_more_trainer_processes_than_gpus_stops_before_any_process(tmp_path, monkeypatch, capsys):
+    from torchtitan_rl.train import main
+
+    monkeypatch.setenv("CONFIG_FILE", str(TINY))  # trainer_procs = 2, device = "auto"
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
-    with pytest.raises(ConfigError, match=r"trainer_procs=2 needs one GPU per trainer process"):
-        load_config(TINY, [])  # trainer_procs = 2, device = "auto"
-    assert load_config(TINY, ["--parallelism.trainer_procs=1"]).parallelism.trainer_procs == 1
-    assert load_config(TINY, ["--parallelism.device=cpu"]).parallelism.trainer_procs == 2
+    assert load_config(TINY, []).parallelism.trainer_procs == 2  # loading a config is fine
+    assert main([f"--job.output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "parallelism.trainer_procs=2 needs one GPU per trainer process" in err
+    assert "Traceback" not in err and not any(tmp_path.iterdir())
     monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
-    with pytest.raises(ConfigError, match=r'device = "cuda", but no CUDA device is visible'):
-        load_config(TINY, ["--parallelism.device=cuda"])
+    assert main([f"--job.output_dir={tmp_path}", "--parallelism.device=cuda"]) == 2
+    assert 'device = "cuda", but no CUDA device is visible' in capsys.readouterr().err
+    ParallelismConfig(trainer_procs=2, device="cpu").check_gpus()  # CPU: any count
 
 
 def test_demonstrations_that_never_fit_a_row_stop_before_any_process(tmp_path):
