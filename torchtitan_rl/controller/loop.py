@@ -39,6 +39,7 @@ from torchtitan_rl.rollout.episodes import (
 from torchtitan_rl.rollout.records import write_step_records
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.router import Router
+from torchtitan_rl.training.trainer_config import TARGET_LOSS_WINDOW
 from torchtitan_rl.types import Episode, GenerateFn, RolloutGroup, SamplingParams
 from torchtitan_rl.weight_sync.transport import WeightSync
 
@@ -332,6 +333,7 @@ class Controller:
 
     async def warm_start(self) -> None:
         ws = self.config.warm_start
+        losses: list[float] = []
         with _progress(ws.steps, self.use_tqdm and ws.steps > 0, "warm start") as bar:
             for step in range(1, ws.steps + 1):
                 self.supervisor.where = f"during warm-start step {step}"
@@ -343,10 +345,18 @@ class Controller:
                 batches, _ = self._pack(episodes)
                 out = await self.trainer.sft_step.call(batches, ws)
                 metrics = next(iter(out.values()))
-                if step % 10 == 0 or step == ws.steps:
+                losses.append(metrics["warm_start/loss"])
+                done = step == ws.steps or ws.reached_target(losses)
+                if done:
+                    metrics = {**metrics, "warm_start/steps": step}
+                if step % 10 == 0 or done:
                     self.metrics.log(metrics, step - ws.steps)  # warm start logs at steps <= 0
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['warm_start/loss']:.3f}")
+                if done:
+                    break
+        if ws.target_loss > 0:
+            _report_target_loss(ws, losses)
         await self.trainer.end_warm_start.call()
         if ws.steps:
             await self.sync_weights()
@@ -482,6 +492,23 @@ class Controller:
 
 MIN_BAR_COLUMNS = 40
 """Below this a terminal's reported width is not believed (some report 0): use 80."""
+
+
+def _report_target_loss(ws, losses: list[float]) -> None:
+    window = losses[-TARGET_LOSS_WINDOW:]
+    mean = sum(window) / len(window)
+    if ws.reached_target(losses):
+        logger.warning(
+            "warm start stopped after %d of at most %d steps: mean loss %.3f of the last %d "
+            "reached warm_start.target_loss=%g", len(losses), ws.steps, mean, len(window),
+            ws.target_loss,
+        )  # fmt: skip
+    else:
+        logger.warning(
+            "warm start ran all %d steps: mean loss %.3f of the last %d stayed above "
+            "warm_start.target_loss=%g; RL starts from here (raise warm_start.steps to go on)",
+            ws.steps, mean, len(window), ws.target_loss,
+        )  # fmt: skip
 
 
 def _progress(total: int, enabled: bool, desc: str):

@@ -63,6 +63,11 @@ class TrainingConfig:
             raise ValueError(f"training.compile must be true or false, got {self.compile!r}")
 
 
+TARGET_LOSS_WINDOW = 10
+"""Warm-start steps whose mean loss `WarmStartConfig.target_loss` compares (one step's loss
+moves by ~0.1 between batches)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class WarmStartConfig:
     """TOML section [warm_start]: supervised steps on env demonstrations before RL.
@@ -77,9 +82,30 @@ class WarmStartConfig:
     """Demonstrations per step."""
     lr: float = 2e-3
     """Learning rate of the warm start (its own AdamW state, dropped before RL)."""
+    target_loss: float = 0.0
+    """Stop early once the mean loss of the last `TARGET_LOSS_WINDOW` steps is at or below
+    this (`steps` is then the most it runs), so every seed starts RL from a model as far
+    along; 0 runs all `steps`."""
 
     def validate(self) -> None:
         if self.steps < 0:
             raise ValueError(f"warm_start.steps must be >= 0, got {self.steps}")
         if self.batch_size < 1:
             raise ValueError(f"warm_start.batch_size must be >= 1, got {self.batch_size}")
+        if self.target_loss < 0:
+            raise ValueError(f"warm_start.target_loss must be >= 0, got {self.target_loss}")
+        if self.target_loss > 0 and self.steps < TARGET_LOSS_WINDOW:
+            raise ValueError(
+                f"warm_start.target_loss={self.target_loss} needs warm_start.steps >= "
+                f"{TARGET_LOSS_WINDOW} (the most steps it may run), got {self.steps}"
+            )
+
+    def reached_target(self, recent_losses: list[float]) -> bool:
+        """Whether the warm start may stop: the last `TARGET_LOSS_WINDOW` losses average
+        at or below `target_loss` (never with target_loss 0 or fewer losses)."""
+        window = recent_losses[-TARGET_LOSS_WINDOW:]
+        return (
+            self.target_loss > 0
+            and len(window) == TARGET_LOSS_WINDOW
+            and sum(window) / TARGET_LOSS_WINDOW <= self.target_loss
+        )

@@ -1,0 +1,90 @@
+"""The warm start's length: all `steps`, or until the mean loss of the last steps reaches
+`target_loss` (so every seed starts RL from a model as far along)."""
+
+import asyncio
+import logging
+
+import pytest
+from test_config_keys import _controller, _Endpoint, _no_sync, _Trainer
+from test_first_hour import TINY
+
+from torchtitan_rl.config import ConfigError, load_config
+from torchtitan_rl.training.trainer_config import TARGET_LOSS_WINDOW, WarmStartConfig
+
+
+class _Logged:
+    def __init__(self):
+        self.entries = []
+
+    def log(self, metrics, step):
+        self.entries.append((step, dict(metrics)))
+
+
+def _run_warm_start(tmp_path, losses, *overrides):
+    """The controller's warm start against a trainer whose k-th step reports losses[k]."""
+    controller = _controller(tmp_path, *overrides)
+    trainer, logged = _Trainer(), _Logged()
+    trainer.sft_step = _Endpoint()  # `call` records a step before answering it
+    calls = trainer.sft_step.calls
+    trainer.sft_step.fn = lambda batches, ws: {"warm_start/loss": losses[len(calls) - 1]}
+    controller.trainer, controller.metrics, controller.weight_sync = trainer, logged, _no_sync
+    asyncio.run(controller.warm_start())
+    return len(calls), logged.entries, trainer.end_warm_start.calls
+
+
+LOSSES = [2.0 - 0.05 * k for k in range(40)]  # 2.00, 1.95, ... 0.05
+
+
+def test_reached_target_averages_the_last_window_of_losses():
+    ws = WarmStartConfig(steps=100, target_loss=1.0)
+    assert TARGET_LOSS_WINDOW == 10
+    assert not ws.reached_target([0.5] * 9)  # fewer losses than the window
+    assert ws.reached_target([5.0] * 3 + [1.0] * 10)  # only the last 10 count
+    assert not ws.reached_target([0.5] * 9 + [5.6])  # mean 1.01
+    assert ws.reached_target([0.5] * 9 + [5.5])  # mean 1.0: at or below
+    assert not WarmStartConfig(steps=100).reached_target([0.0] * 20)  # 0: no target
+
+
+@pytest.mark.usefixtures("package_logger_restored")
+def test_target_loss_stops_the_warm_start_where_the_mean_loss_reaches_it(tmp_path, caplog):
+    # mean of LOSSES[k-10:k] = 2.0 - 0.05 * (k - 5.5): at or below 1.2 from k = 22 on
+    logging.getLogger("torchtitan_rl").propagate = True
+    with caplog.at_level(logging.WARNING, logger="torchtitan_rl"):
+        steps, logged, ended = _run_warm_start(
+            tmp_path, LOSSES, "--warm_start.steps=30", "--warm_start.target_loss=1.2"
+        )
+    assert steps == 22 and len(ended) == 1
+    assert [s for s, _ in logged] == [10 - 30, 20 - 30, 22 - 30]
+    assert logged[-1][1]["warm_start/steps"] == 22
+    assert logged[-1][1]["warm_start/loss"] == pytest.approx(LOSSES[21])
+    assert "warm start stopped after 22 of at most 30 steps: mean loss 1.175" in caplog.text
+
+
+@pytest.mark.usefixtures("package_logger_restored")
+def test_without_target_loss_or_out_of_reach_the_warm_start_runs_all_steps(tmp_path, caplog):
+    steps, logged, _ = _run_warm_start(tmp_path, LOSSES, "--warm_start.steps=30")
+    assert steps == 30 and logged[-1][0] == 0 and logged[-1][1]["warm_start/steps"] == 30
+    logging.getLogger("torchtitan_rl").propagate = True
+    with caplog.at_level(logging.WARNING, logger="torchtitan_rl"):
+        steps, _, _ = _run_warm_start(
+            tmp_path, LOSSES, "--warm_start.steps=30", "--warm_start.target_loss=0.1"
+        )
+    assert steps == 30
+    assert "warm start ran all 30 steps: mean loss 0.775 of the last 10 stayed above" in (
+        caplog.text
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--warm_start.target_loss=-1"], "warm_start.target_loss must be >= 0, got -1"),
+        (
+            ["--warm_start.target_loss=0.9", "--warm_start.steps=5"],
+            r"warm_start.target_loss=0.9 needs warm_start.steps >= 10 .* got 5",
+        ),
+    ],
+)
+def test_target_loss_settings_that_cannot_work_are_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, overrides)
