@@ -79,6 +79,7 @@ def test_without_target_loss_or_out_of_reach_the_warm_start_runs_all_steps(tmp_p
     "overrides, message",
     [
         (["--warm_start.target_loss=-1"], "warm_start.target_loss must be >= 0, got -1"),
+        (["--warm_start.target_loss=nan"], "warm_start.target_loss must be >= 0, got nan"),
         (
             ["--warm_start.target_loss=0.9", "--warm_start.steps=5"],
             r"warm_start.target_loss=0.9 needs warm_start.steps >= 10 .* got 5",
@@ -88,3 +89,8 @@ def test_without_target_loss_or_out_of_reach_the_warm_start_runs_all_steps(tmp_p
 def test_target_loss_settings_that_cannot_work_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, overrides)
+
+
+def test_no_warm_start_ignores_target_loss():
+    config = load_config(TINY, ["--warm_start.target_loss=0.9", "--warm_start.steps=0"])
+    assert config.warm_start.steps == 0

@@ -354,8 +354,10 @@ class Controller:
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['warm_start/loss']:.3f}")
                 if done:
+                    bar.total = step  # an early stop ends the bar full
+                    bar.refresh()
                     break
-        if ws.target_loss > 0:
+        if ws.target_loss > 0 and losses:
             _report_target_loss(ws, losses)
         await self.trainer.end_warm_start.call()
         if ws.steps:
