@@ -52,7 +52,7 @@ def test_help_gives_type_default_and_docstring(flag, monkeypatch, capsys):
     rc, out, _ = _main(monkeypatch, capsys, flag)
     assert rc == 0
     lines = out.splitlines()
-    at = lines.index("  training.lr (float) = 0.0003")
+    at = lines.index("  training.lr (float) = 0.0004")
     assert lines[at + 1].strip() == "AdamW learning rate after warmup."
     assert all(len(line) <= 100 for line in lines)  # long docstrings are wrapped
 
@@ -78,7 +78,7 @@ def test_help_answers_when_the_job_does_not_load(monkeypatch, capsys, tmp_path):
     missing = str(tmp_path / "missing.toml")
     rc, out, err = _main(monkeypatch, capsys, "-h", "--training.nope=1", config_file=missing)
     assert rc == 0
-    assert "training.lr (float) = 0.0003" in out and "env.args.sort_by (str)" in out
+    assert "training.lr (float) = 0.0004" in out and "env.args.sort_by (str)" in out
     assert "missing.toml" in err and "showing the defaults" in err
 
 

@@ -143,7 +143,7 @@ def test_resume_lists_what_changed_and_refuses_another_model(tmp_path):
     config = load_config(TINY, [f"--job.output_dir={tmp_path}", "--training.lr=0.0001"])
     controller = Controller(config, use_tqdm=False)
     assert controller.completed_step() == 3
-    assert controller.check_resume() == ["training.lr: 0.0003 -> 0.0001"]
+    assert controller.check_resume() == ["training.lr: 0.0004 -> 0.0001"]
     other = load_config(TINY, [f"--job.output_dir={tmp_path}", "--model.flavor=small"])
     with pytest.raises(ValueError, match=r"cannot resume .* changed model.flavor: 'tiny' -> "):
         Controller(other, use_tqdm=False).check_resume()
@@ -151,9 +151,9 @@ def test_resume_lists_what_changed_and_refuses_another_model(tmp_path):
 
 
 def test_a_finished_run_is_complete_before_anything_starts(tmp_path):
-    _run_with_checkpoint(tmp_path, 700)
+    _run_with_checkpoint(tmp_path, 800)
     controller = Controller(load_config(TINY, [f"--job.output_dir={tmp_path}"]), use_tqdm=False)
-    assert controller.completed_step() == controller.last_step() == 700
+    assert controller.completed_step() == controller.last_step() == 800
 
 
 def test_tensorboard_opens_a_dashboard_of_the_main_curves(tmp_path):
