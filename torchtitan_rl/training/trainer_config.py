@@ -83,9 +83,9 @@ class WarmStartConfig:
     lr: float = 2e-3
     """Learning rate of the warm start (its own AdamW state, dropped before RL)."""
     target_loss: float = 0.0
-    """Stop early once the mean loss of the last `TARGET_LOSS_WINDOW` steps is at or below
-    this (`steps` is then the most it runs), so every seed starts RL from a model as far
-    along; 0 runs all `steps` (as does a cap below the window, e.g. a short smoke run)."""
+    """Stop early once the mean loss of the last 10 steps is at or below this (`steps` is
+    then the most it runs), so every seed starts RL from a model as far along; 0 runs all
+    `steps` (as does a cap below 10 steps, e.g. a short smoke run)."""
 
     def validate(self) -> None:
         if self.steps < 0:
