@@ -73,7 +73,7 @@ def test_an_environment_without_demonstrations_needs_warm_start_steps_0(tmp_path
 
     del Arith.demonstration  # the user did not write one
     try:
-        with pytest.raises(ConfigError, match="warm_start.steps=200 needs demonstrations"):
+        with pytest.raises(ConfigError, match="warm_start.steps=400 needs demonstrations"):
             _config(tmp_path)
         assert _config(tmp_path, "--warm_start.steps=0").warm_start.steps == 0
     finally:
