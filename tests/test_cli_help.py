@@ -78,7 +78,7 @@ def test_help_answers_when_the_job_does_not_load(monkeypatch, capsys, tmp_path):
     missing = str(tmp_path / "missing.toml")
     rc, out, err = _main(monkeypatch, capsys, "-h", "--training.nope=1", config_file=missing)
     assert rc == 0
-    assert "training.lr (float) = 0.0004" in out and "env.args.sort_by (str)" in out
+    assert "training.lr (float) = 0.0003" in out and "env.args.sort_by (str)" in out
     assert "missing.toml" in err and "showing the defaults" in err
 
 
