@@ -39,7 +39,7 @@ from torchtitan_rl.rollout.episodes import (
 from torchtitan_rl.rollout.records import write_step_records
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.router import Router
-from torchtitan_rl.training.trainer_config import TARGET_LOSS_WINDOW
+from torchtitan_rl.training.trainer_config import TARGET_LOSS_WINDOW, recent_mean
 from torchtitan_rl.types import Episode, GenerateFn, RolloutGroup, SamplingParams
 from torchtitan_rl.weight_sync.transport import WeightSync
 
@@ -497,19 +497,18 @@ MIN_BAR_COLUMNS = 40
 
 
 def _report_target_loss(ws, losses: list[float]) -> None:
-    window = losses[-TARGET_LOSS_WINDOW:]
-    mean = sum(window) / len(window)
+    mean, window = recent_mean(losses), min(len(losses), TARGET_LOSS_WINDOW)
     if ws.reached_target(losses):
         logger.warning(
             "warm start stopped after %d of at most %d steps: mean loss %.3f of the last %d "
-            "reached warm_start.target_loss=%g", len(losses), ws.steps, mean, len(window),
+            "reached warm_start.target_loss=%g", len(losses), ws.steps, mean, window,
             ws.target_loss,
         )  # fmt: skip
     else:
         logger.warning(
             "warm start ran all %d steps: mean loss %.3f of the last %d stayed above "
             "warm_start.target_loss=%g; RL starts from here (raise warm_start.steps to go on)",
-            ws.steps, mean, len(window), ws.target_loss,
+            ws.steps, mean, window, ws.target_loss,
         )  # fmt: skip
 
 

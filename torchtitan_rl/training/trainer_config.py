@@ -98,9 +98,14 @@ class WarmStartConfig:
     def reached_target(self, recent_losses: list[float]) -> bool:
         """Whether the warm start may stop: the last `TARGET_LOSS_WINDOW` losses average
         at or below `target_loss` (never with target_loss 0 or fewer losses)."""
-        window = recent_losses[-TARGET_LOSS_WINDOW:]
         return (
             self.target_loss > 0
-            and len(window) == TARGET_LOSS_WINDOW
-            and sum(window) / TARGET_LOSS_WINDOW <= self.target_loss
+            and len(recent_losses) >= TARGET_LOSS_WINDOW
+            and recent_mean(recent_losses) <= self.target_loss
         )
+
+
+def recent_mean(losses: list[float]) -> float:
+    """Mean of the last `TARGET_LOSS_WINDOW` losses (of all of them when fewer)."""
+    window = losses[-TARGET_LOSS_WINDOW:]
+    return sum(window) / len(window)
