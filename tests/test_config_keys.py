@@ -8,7 +8,7 @@ import pytest
 import torch
 from fakes import tiny_core, tiny_qwen3
 
-from torchtitan_rl.controller.config import ParallelismConfig
+from torchtitan_rl.config.job import ParallelismConfig
 from torchtitan_rl.envs.base import EnvConfig
 from torchtitan_rl.generation.engine import Engine, EngineConfig
 from torchtitan_rl.models.hf_export import export_hf

@@ -9,7 +9,7 @@ import pytest
 from fakes import FakeEnvironment, FakeRenderer, ScriptedEnv, always, done
 
 from torchtitan_rl.config import ConfigError, load_config
-from torchtitan_rl.controller.config import ParallelismConfig
+from torchtitan_rl.config.job import ParallelismConfig
 from torchtitan_rl.controller.diagnostics import StepDiagnostics
 from torchtitan_rl.controller.loop import Controller
 from torchtitan_rl.envs.base import EnvConfig

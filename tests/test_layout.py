@@ -70,3 +70,33 @@ def test_both_backends_implement_the_engine_interface():
     assert members <= set(vars(GenerationEngine))
     for cls in (Engine, VllmEngine):
         assert members <= set(dir(cls)), cls
+
+
+def test_config_never_imports_the_controller():
+    """The config package composes component sections; nothing in it reaches up into the
+    controller (the controller reads config, never the other way round)."""
+    graph = _imports()
+    upward = {
+        module: sorted(d for d in deps if d.startswith("torchtitan_rl.controller"))
+        for module, deps in graph.items()
+        if module.startswith("torchtitan_rl.config")
+    }
+    assert {m: d for m, d in upward.items() if d} == {}
+    assert "torchtitan_rl.config.job" in graph  # the job-wide sections live in config/
+
+
+def test_the_loop_holds_the_loop_only():
+    """Processes come from the launcher (the loop never asks for a host), the warm start and
+    resume live in modules of their own, and the step report is built in one place."""
+    source = (PACKAGE / "controller" / "loop.py").read_text()
+    for name in ("this_host", "spawn_procs", "setup_torch_elastic_env", "sft_step", "tomli"):
+        assert name not in source, name
+    for name in ("write_step_records", "report_dropped", "rollout_metrics"):
+        assert name not in source, name
+    deps = _imports()["torchtitan_rl.controller.loop"]
+    assert {
+        "torchtitan_rl.controller.launcher",
+        "torchtitan_rl.controller.warm_start",
+        "torchtitan_rl.controller.resume",
+        "torchtitan_rl.controller.report",
+    } <= deps

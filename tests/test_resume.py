@@ -9,6 +9,7 @@ from fakes import FakeEnvironment, FakeRenderer, ScriptedEnv, ScriptedGenerate, 
 from torchtitan_rl.config import load_config
 from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
 from torchtitan_rl.controller.loop import Controller
+from torchtitan_rl.controller.metrics import batch_metrics
 from torchtitan_rl.controller.summary import SUMMARY_TAGS
 from torchtitan_rl.envs.base import EnvConfig
 from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
@@ -116,7 +117,7 @@ def _steps(rollouter, steps, next_sample):
     out = []
     for step in steps:
         batch = asyncio.run(rollouter.collect_batch(step, next_sample, _seeded_generate()))
-        groups, next_sample, metrics = batch.groups, batch.next_index, batch.metrics
+        groups, next_sample, metrics = batch.groups, batch.next_index, batch_metrics(batch)
         texts = [[r.turns[0].assistant_text for r in g.rollouts] for g in groups]
         samples = [g.rollouts[0].sample["index"] for g in groups]
         out.append((samples, texts, metrics["rollout/num_sampling_rounds"]))

@@ -14,6 +14,7 @@ from fakes import (
     reply,
 )
 
+from torchtitan_rl.controller.metrics import batch_metrics
 from torchtitan_rl.envs.base import EnvConfig
 from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter, refill_size, request_seed
 from torchtitan_rl.types import RolloutStatus
@@ -89,7 +90,7 @@ def test_env_that_raises_is_error_env_and_collect_batch_returns_the_others():
 
     rollouter = make_rollouter(make_env, by_rollout_id, prompts_per_step=3)
     batch = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
-    groups, next_index, metrics = batch.groups, batch.next_index, batch.metrics
+    groups, next_index, metrics = batch.groups, batch.next_index, batch_metrics(batch)
     assert [g.rollouts[0].sample["index"] for g in groups] == [0, 2, 3]
     assert next_index == 5  # 3 prompts, then 1 / (2/3) -> 2 more to refill the error group
     assert metrics["rollout/status/error_env"] == 4 / metrics["rollout/num_rollouts"]
@@ -147,7 +148,7 @@ def test_zero_spread_groups_are_filtered_and_refilled():
 
     rollouter = make_rollouter(lambda s: ScriptedEnv([done()]), reward, prompts_per_step=3)
     batch = asyncio.run(rollouter.collect_batch(2, 10, always("ok")))
-    groups, next_index, metrics = batch.groups, batch.next_index, batch.metrics
+    groups, next_index, metrics = batch.groups, batch.next_index, batch_metrics(batch)
     # round 1: 10, 11, 12 keeps 2 of 3; the refill samples ceil(1 / (2/3)) = 2: 13, 14
     assert [g.rollouts[0].sample["index"] for g in groups] == [10, 12, 14]
     assert next_index == 15
@@ -167,9 +168,9 @@ def test_refill_round_samples_the_missing_groups_over_the_kept_share():
     # the first two; the other four had spread but the batch was full
     assert [g.rollouts[0].sample["index"] for g in batch.groups] == [12, 13, 14]
     assert batch.next_index == 19
-    assert batch.metrics["rollout/num_sampling_rounds"] == 2
-    assert batch.metrics["rollout/num_groups_filtered"] == 2
-    assert batch.metrics["rollout/num_groups_surplus"] == 4
+    assert batch_metrics(batch)["rollout/num_sampling_rounds"] == 2
+    assert batch_metrics(batch)["rollout/num_groups_filtered"] == 2
+    assert batch_metrics(batch)["rollout/num_groups_surplus"] == 4
     assert [g.rollouts[0].sample["index"] for g in batch.filtered] == [10, 11]
     assert [g.rollouts[0].sample["index"] for g in batch.surplus] == [15, 16, 17, 18]
 
@@ -184,7 +185,7 @@ def test_refills_stop_after_max_sampling_rounds_even_with_budget_left(caplog):
     with caplog.at_level(logging.WARNING):
         batch = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
     # rounds of 8, ceil(1 * 8 / 7) = 2, then ceil(1 * 10 / 7) = 2: 12 of the 24-group budget
-    assert batch.metrics["rollout/num_sampling_rounds"] == 3
+    assert batch_metrics(batch)["rollout/num_sampling_rounds"] == 3
     assert batch.next_index == 12 and len(batch.groups) == 7
     assert "after 2 refill rounds (rollout.max_sampling_rounds=2)" in caplog.text
 
@@ -211,7 +212,7 @@ def test_collect_batch_warns_and_returns_what_it_has_after_max_rounds(caplog):
     )
     with caplog.at_level(logging.WARNING):
         batch = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
-        groups, next_index, metrics = batch.groups, batch.next_index, batch.metrics
+        groups, next_index, metrics = batch.groups, batch.next_index, batch_metrics(batch)
     assert groups == [] and next_index == 4
     assert metrics["rollout/num_sampling_rounds"] == 2
     assert "only 0 of 2 groups" in caplog.text
@@ -225,7 +226,7 @@ def test_unfiltered_collect_batch_keeps_zero_spread_groups():
         lambda s: ScriptedEnv([done()]), lambda r: 1.0, filter_zero_std_groups=False
     )
     batch = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
-    groups, next_index, _ = batch.groups, batch.next_index, batch.metrics
+    groups, next_index, _ = batch.groups, batch.next_index, batch_metrics(batch)
     assert len(groups) == 2 and next_index == 2
 
 

@@ -161,7 +161,7 @@ def test_tp2_step_matches_tp1_step_on_two_gpus_in_bf16():
 
 def test_tp_must_divide_trainer_procs_and_rows():
     from torchtitan_rl.config import ConfigError, load_config
-    from torchtitan_rl.controller.config import check_lengths
+    from torchtitan_rl.config.job import check_lengths
 
     root = "train_configs/alphabet_sort_tiny.toml"
     assert load_config(root, ["--parallelism.tp=2"]).parallelism.dp == 1

@@ -100,7 +100,7 @@ def _train(config, debug: bool) -> int:
         return 130
     except Exception as e:
         return _fail(e, debug, 1)
-    print_summary(controller, time.perf_counter() - t0)
+    print_summary(controller.metrics, controller.run_dir, time.perf_counter() - t0)
     return 0
 
 

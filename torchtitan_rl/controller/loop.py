@@ -1,8 +1,10 @@
-"""The step loop: spawn trainer and generator meshes, then rollout -> train -> sync, in order.
+"""The step loop: generate, score, pack, train, sync, report; validation and checkpoints on
+their intervals.
 
-No tensor math here; every number comes from the actors or the rollout records. A run whose
-folder holds a complete checkpoint continues from it (see `checkpoints`); a process
-that dies ends the run with one `ActorFailure` line (see `supervision`).
+No tensor math here; every number comes from the actors or the rollout records. Processes
+come from `launcher`, the warm start from `warm_start`, checkpoints and resume from `resume`,
+one report per step from `report`. A run whose folder holds a complete checkpoint continues
+from it; a process that dies ends the run with one `ActorFailure` line (see `supervision`).
 """
 
 from __future__ import annotations
@@ -12,19 +14,27 @@ import logging
 import time
 from pathlib import Path
 
-import tomli
-from monarch.actor import this_host
-from monarch.spmd import setup_torch_elastic_env_async
-
 from torchtitan_rl.actors.generator import GeneratorActor
 from torchtitan_rl.actors.trainer import TrainerActor
 from torchtitan_rl.config import Config, to_toml
+from torchtitan_rl.config.job import check_lengths
+from torchtitan_rl.controller import resume
 from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
-from torchtitan_rl.controller.config import check_lengths
 from torchtitan_rl.controller.diagnostics import StepDiagnostics
-from torchtitan_rl.controller.metrics import MetricsLogger, rollout_metrics, validation_metrics
+from torchtitan_rl.controller.launcher import (
+    ActorGenerateFn,
+    Meshes,
+    launch_local,
+    spawn_generators,
+    spawn_trainer,
+    stop_meshes,
+)
+from torchtitan_rl.controller.metrics import MetricsLogger, validation_metrics
+from torchtitan_rl.controller.progress import progress_bar
+from torchtitan_rl.controller.report import StepReport, StepReporter
 from torchtitan_rl.controller.summary import SUMMARY_TAGS
-from torchtitan_rl.controller.supervision import SupervisionError, Supervisor
+from torchtitan_rl.controller.supervision import Supervisor
+from torchtitan_rl.controller.warm_start import check_demonstrations_fit, run_warm_start
 from torchtitan_rl.envs import build_environment
 from torchtitan_rl.models.renderer import Renderer
 from torchtitan_rl.models.tokenizer import Tokenizer
@@ -32,14 +42,10 @@ from torchtitan_rl.reductions import merge, results
 from torchtitan_rl.rollout.advantages import compute_advantages
 from torchtitan_rl.rollout.batcher import pack_batch
 from torchtitan_rl.rollout.episodes import (
-    demonstration_episodes,
-    longest_run,
     rollout_to_episodes,
 )
-from torchtitan_rl.rollout.records import write_step_records
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.router import Router
-from torchtitan_rl.training.trainer_config import TARGET_LOSS_WINDOW, recent_mean
 from torchtitan_rl.types import Episode, GenerateFn, RolloutGroup, SamplingParams
 from torchtitan_rl.weight_sync.transport import WeightSync
 
@@ -47,44 +53,6 @@ logger = logging.getLogger(__name__)
 
 PURGE_ALL = -(10**9)
 """A TensorBoard purge step below any step a run logs (the warm start logs at steps <= 0)."""
-RESUME_FROZEN = ("model.",)
-"""Config keys a resume cannot change: the checkpoint's weights have that model's shape."""
-
-
-def config_changes(saved: dict, config: Config) -> list[str]:
-    """ "section.key: old -> new" for every key whose value differs from the saved TOML."""
-    current = tomli.loads(to_toml(config))
-    changes = []
-    for section, values in current.items():
-        for key, value in values.items():
-            old = saved.get(section, {}).get(key)
-            if isinstance(value, dict):  # [env.args]
-                for sub, v in value.items():
-                    if (old or {}).get(sub) != v:
-                        changes.append(f"{section}.{key}.{sub}: {(old or {}).get(sub)!r} -> {v!r}")
-            elif old != value:
-                changes.append(f"{section}.{key}: {old!r} -> {value!r}")
-    return changes
-
-
-class ActorGenerateFn:
-    """GenerateFn over a generator actor; None when the actor cannot be reached."""
-
-    def __init__(self, generator):
-        self.generator = generator
-
-    async def __call__(self, prompt_ids, *, request_id, session_id=None, sampling=None):
-        sampling = sampling or SamplingParams()
-        try:
-            return await self.generator.generate.call_one(
-                prompt_ids, request_id, session_id, sampling
-            )
-        except SupervisionError:  # the process died: the Supervisor ends the run
-            logger.debug("generate %s: generator died", request_id)
-            return None
-        except Exception as e:  # the call failed: the rollout becomes a generator error
-            logger.warning("generate %s failed: %s", request_id, e)
-            return None
 
 
 class Controller:
@@ -100,7 +68,7 @@ class Controller:
         self.renderer = Renderer(self.tokenizer)
         self.environment = build_environment(config.env, config.job.seed, config.env_args())
         if config.warm_start.steps:
-            self._check_demonstrations_fit()
+            check_demonstrations_fit(config, self.environment, self.renderer)
         self.rollouter = Rollouter(
             self.environment, self.renderer, config.env, config.rollout, config.job.seed
         )
@@ -117,7 +85,8 @@ class Controller:
         """The RL step the run continues after (0 for a fresh run, N after step_N)."""
         # What `start` builds: None (or empty) until then, so `close` works at any point.
         self.metrics: MetricsLogger | None = None
-        self.meshes: list = []
+        self.reporter: StepReporter | None = None
+        self.meshes: Meshes | None = None
         self.trainer: TrainerActor | None = None
         """The trainer mesh's actors (endpoints are called on every rank)."""
         self.generators: list[GeneratorActor] = []
@@ -127,42 +96,11 @@ class Controller:
         self.generate_fn: GenerateFn | None = None
         self.weight_sync: WeightSync | None = None
 
-    def _check_demonstrations_fit(self) -> None:
-        """Before any process starts: a warm start whose demonstrations never fit a row
-        would train on nothing (ValueError naming batcher.seq_len)."""
-        cfg = self.config
-        samples = [self.environment.train_sample(-1 - i) for i in range(cfg.warm_start.batch_size)]
-        episodes = demonstration_episodes(self.environment, self.renderer, samples)
-        lengths = [len(e) for e in episodes]
-        limit = cfg.batcher.seq_len + 1
-        if not any(n <= limit for n in lengths):
-            raise ValueError(
-                f"batcher.seq_len={cfg.batcher.seq_len} fits episodes of up to {limit} tokens, "
-                f"but no warm-start demonstration does ({min(lengths)} to {max(lengths)} tokens "
-                f"in the first batch); raise batcher.seq_len or set warm_start.steps = 0"
-            )
-        turns = [longest_run(e.loss_mask_L) for e in episodes]
-        for key, limit in (
-            ("rollout.max_tokens", cfg.rollout.max_tokens),
-            ("validation.max_tokens", cfg.validation.max_tokens),
-        ):
-            over = sum(n > limit for n in turns)
-            if over:
-                logger.warning(
-                    "%d of %d warm-start demonstrations have an assistant turn longer than "
-                    "%s=%d (up to %d tokens): replies like them will be cut off; raise %s",
-                    over, len(turns), key, limit, max(turns), key,
-                )  # fmt: skip
-
     # ---- processes --------------------------------------------------------------------
     def last_step(self) -> int:
         """The RL step this run ends after (training.steps, or training.stop_after)."""
-        steps = self.config.training.steps
-        return (
-            min(steps, self.config.training.stop_after)
-            if self.config.training.stop_after
-            else steps
-        )
+        training = self.config.training
+        return min(training.steps, training.stop_after) if training.stop_after else training.steps
 
     def completed_step(self) -> int:
         """The RL step of the latest complete checkpoint (0 without one); reads only."""
@@ -172,17 +110,7 @@ class Controller:
     def check_resume(self) -> list[str]:
         """Before anything is written or spawned: how this config differs from the latest
         checkpoint's (lines "key: old -> new"); ValueError for a change that cannot work."""
-        latest = self.store.latest()
-        if latest is None:
-            return []
-        changes = config_changes(tomli.loads((latest / "config.toml").read_text()), self.config)
-        frozen = [c for c in changes if c.split(":")[0].startswith(RESUME_FROZEN)]
-        if frozen:
-            raise ValueError(
-                f"cannot resume {latest} with a changed {frozen[0]}: the checkpoint holds "
-                f"another model; use a new job.run_name"
-            )
-        return changes
+        return resume.check_resume(self.store, self.config)
 
     async def start(self) -> None:
         """Spawn the meshes, restore the latest complete checkpoint if there is one, and give
@@ -199,6 +127,9 @@ class Controller:
         self.metrics = MetricsLogger(
             self.run_dir, purge_step=self.start_step + 1 if state else PURGE_ALL
         )
+        self.reporter = StepReporter(
+            self.run_dir, self.diagnostics, self.metrics, cfg.batcher.seq_len
+        )
         if state is None:
             logger.warning("starting fresh in %s", self.run_dir)
         else:
@@ -206,44 +137,14 @@ class Controller:
             for change in changes:
                 logger.warning("  changed since that checkpoint: %s", change)
         self.supervisor.install()
-        gpu = cfg.parallelism.device == "cuda"
-        kind = "gpus" if gpu else "procs"
-        trainer_procs = this_host().spawn_procs(per_host={kind: cfg.parallelism.trainer_procs})
         replicas = cfg.generator.num_replicas
-        generator_meshes = [this_host().spawn_procs(per_host={kind: 1}) for _ in range(replicas)]
-        self.meshes = [trainer_procs, *generator_meshes]
-        await setup_torch_elastic_env_async(trainer_procs)
-        vocab = self.tokenizer.vocab_size
-        self.trainer = trainer_procs.spawn(
-            "trainer",
-            TrainerActor,
-            model=cfg.model,
-            training=cfg.training,
-            loss=cfg.loss,
-            correction=cfg.correction,
-            vocab_size=vocab,
-            device=cfg.parallelism.device,
-            seed=cfg.job.seed,
-            cpu_threads=cfg.parallelism.threads(cfg.parallelism.trainer_procs),
-            tp=cfg.parallelism.tp,
-            log_dir=str(self.log_dir),
-        )
-        hf_folder = await self.generator_start_folder()
-        self.generators = [
-            mesh.spawn(
-                name,
-                GeneratorActor,
-                model=cfg.model,
-                engine=cfg.generator,
-                vocab_size=vocab,
-                device=cfg.parallelism.device,
-                cpu_threads=cfg.parallelism.threads(replicas),
-                actor_name=name,
-                log_dir=str(self.log_dir),
-                hf_folder=hf_folder,
-            )
-            for name, mesh in zip(self.supervisor.names[1:], generator_meshes)
-        ]
+        self.meshes = await launch_local(cfg.parallelism, replicas)
+        vocab, log_dir = self.tokenizer.vocab_size, str(self.log_dir)
+        self.trainer = spawn_trainer(self.meshes.trainer, cfg, vocab_size=vocab, log_dir=log_dir)
+        self.generators = spawn_generators(
+            self.meshes.generators, list(self.supervisor.names[1:]), cfg, vocab_size=vocab,
+            log_dir=log_dir, hf_folder=await self.generator_start_folder(),
+        )  # fmt: skip
         fns = [ActorGenerateFn(g) for g in self.generators]
         self.router = Router(fns) if replicas > 1 else None
         self.generate_fn = self.router or fns[0]
@@ -267,30 +168,39 @@ class Controller:
         await self.trainer.export_hf.call(str(folder), "", cfg.generator.dtype)
         return str(folder)
 
+    async def close(self) -> None:
+        """Stop the actors and meshes (bounded waits: an actor may be dead or stuck)."""
+        for generator in self.generators:
+            try:
+                await asyncio.wait_for(generator.close.call_one(), timeout=10)
+            except Exception as e:
+                logger.info("generator close: %s", e)
+        await stop_meshes(self.meshes.all() if self.meshes else [])
+        self.supervisor.uninstall()  # after the stops: a dying mesh still reports to it
+        if self.metrics is not None:
+            self.metrics.close()
+
     # ---- checkpoints ------------------------------------------------------------------
     async def restore(self, folder: Path, state: ControllerState) -> None:
         self.supervisor.where = f"while loading {folder}"
-        await self.trainer.load_checkpoint.call(str(folder / "trainer"))
+        await resume.restore(self.trainer, folder, state)
         self.next_sample = state.next_sample
         self.last_validation = state.last_validation
-        state.restore_rngs()
         for tag, series in state.history.items():
             self.metrics.history[tag] = [(int(s), float(v)) for s, v in series]
 
     async def save_checkpoint(self, step: int) -> Path:
-        """Trainer ranks write their shards, the controller its JSON; then one rename."""
         self.supervisor.where = f"while saving the checkpoint of RL step {step}"
-        tmp = self.store.begin(step)
-        await self.trainer.save_checkpoint.call(str(tmp / "trainer"))
-        if self.config.checkpoint.export_hf:
-            await self.export_hf(tmp / "hf")
-        state = ControllerState.capture(
-            step=step,
-            next_sample=self.next_sample,
-            last_validation=self.last_validation,
-            history={t: self.metrics.history.get(t, []) for t in SUMMARY_TAGS},
-        )
-        return self.store.commit(tmp, step, state, to_toml(self.config))
+        return await resume.save(
+            self.store, self.trainer, self.config, step,
+            capture=lambda: ControllerState.capture(
+                step=step,
+                next_sample=self.next_sample,
+                last_validation=self.last_validation,
+                history={t: self.metrics.history.get(t, []) for t in SUMMARY_TAGS},
+            ),
+            export_hf=self.export_hf,
+        )  # fmt: skip
 
     async def export_hf(self, folder: Path) -> None:
         cfg = self.config
@@ -303,25 +213,6 @@ class Controller:
         returns the seconds it took."""
         return await self.weight_sync()
 
-    async def close(self) -> None:
-        """Stop the actors and meshes (bounded waits: an actor may be dead or stuck)."""
-        for generator in self.generators:
-            try:
-                await asyncio.wait_for(generator.close.call_one(), timeout=10)
-            except Exception as e:
-                logger.info("generator close: %s", e)
-
-        async def stop(mesh):
-            try:
-                await asyncio.wait_for(mesh.stop(), timeout=10)
-            except Exception as e:
-                logger.warning("stopping a proc mesh: %s", e)
-
-        await asyncio.gather(*(stop(mesh) for mesh in self.meshes))
-        self.supervisor.uninstall()  # after the stops: a dying mesh still reports to it
-        if self.metrics is not None:
-            self.metrics.close()
-
     # ---- stages -----------------------------------------------------------------------
     def _pack(self, episodes: list[Episode]):
         return pack_batch(
@@ -332,35 +223,13 @@ class Controller:
         )
 
     async def warm_start(self) -> None:
-        ws = self.config.warm_start
-        losses: list[float] = []
-        with _progress(ws.steps, self.use_tqdm and ws.steps > 0, "warm start") as bar:
-            for step in range(1, ws.steps + 1):
-                self.supervisor.where = f"during warm-start step {step}"
-                first = (step - 1) * ws.batch_size
-                samples = [
-                    self.environment.train_sample(-1 - first - i) for i in range(ws.batch_size)
-                ]
-                episodes = demonstration_episodes(self.environment, self.renderer, samples)
-                batches, _ = self._pack(episodes)
-                out = await self.trainer.sft_step.call(batches, ws)
-                metrics = next(iter(out.values()))
-                losses.append(metrics["warm_start/loss"])
-                done = step == ws.steps or ws.reached_target(losses)
-                if done:
-                    metrics = {**metrics, "warm_start/steps": step}
-                if step % 10 == 0 or done:
-                    self.metrics.log(metrics, step - ws.steps)  # warm start logs at steps <= 0
-                bar.update(1)
-                bar.set_postfix(loss=f"{metrics['warm_start/loss']:.3f}")
-                if done:
-                    bar.total = step  # an early stop ends the bar full
-                    bar.refresh()
-                    break
-        if ws.target_loss > 0 and losses:
-            _report_target_loss(ws, losses)
+        steps = await run_warm_start(
+            self.config.warm_start, environment=self.environment, renderer=self.renderer,
+            pack=self._pack, trainer=self.trainer, metrics=self.metrics,
+            supervisor=self.supervisor, use_tqdm=self.use_tqdm,
+        )  # fmt: skip
         await self.trainer.end_warm_start.call()
-        if ws.steps:
+        if steps:
             await self.sync_weights()
 
     async def validate(self, step: int) -> float:
@@ -387,43 +256,25 @@ class Controller:
         return self.last_validation
 
     async def rl_step(self, step: int) -> dict[str, float]:
+        """generate -> score -> pack + train -> sync -> report; returns the step's scalars."""
         self.supervisor.where = f"during RL step {step}"
         t0 = time.perf_counter()
         batch = await self.rollouter.collect_batch(step, self.next_sample, self.generate_fn)
-        groups, self.next_sample, rollout_stats = batch.groups, batch.next_index, batch.metrics
-        t_gen = time.perf_counter()
-        self.diagnostics.report(step, [*groups, *batch.filtered, *batch.surplus])
+        self.next_sample = batch.next_index
         if self.router is not None:
             self.router.reset_sessions()  # sessions never span steps
-        for group in groups:
+        t_gen = time.perf_counter()
+        for group in batch.groups:
             compute_advantages(group, normalize_std=self.config.advantage.normalize_std)
-        write_step_records(self.run_dir / "rollouts", step, groups, filtered=batch.filtered)
-        metrics = {**rollout_stats, **rollout_metrics(groups)}
-        metrics.update(await self._train(groups, step))
-        self.diagnostics.report_dropped(
-            step,
-            metrics.get("batcher/num_dropped_oversized", 0.0),
-            metrics.get("batcher/num_sequences", 0.0),
-            self.config.batcher.seq_len,
-        )
+        train_metrics = await self._train(batch.groups, step)
         t_train = time.perf_counter()
-        metrics["perf/sync_seconds"] = await self.sync_weights()
-        seconds = time.perf_counter() - t0
-        tokens = metrics.get("batcher/num_tokens", 0.0)
-        generated = sum(
-            t.completion.num_tokens for g in groups for r in g.rollouts for t in r.turns
-        )
-        metrics.update(
-            {
-                "perf/step_seconds": seconds,
-                "perf/generate_seconds": t_gen - t0,
-                "perf/train_seconds": t_train - t_gen,
-                "perf/tokens_per_second": tokens / seconds,
-                "perf/generated_tokens_per_second": generated / max(t_gen - t0, 1e-9),
-            }
-        )
-        self.metrics.log(metrics, step)
-        return metrics
+        sync_seconds = await self.sync_weights()
+        report = StepReport(
+            step=step, batch=batch, train=train_metrics, generate_seconds=t_gen - t0,
+            train_seconds=t_train - t_gen, sync_seconds=sync_seconds,
+            step_seconds=time.perf_counter() - t0,
+        )  # fmt: skip
+        return self.reporter.report(report)
 
     async def _train(self, groups: list[RolloutGroup], step: int) -> dict[str, float]:
         """One RL step on the trainer: an optimizer step per minibatch of whole groups
@@ -466,7 +317,7 @@ class Controller:
             if cfg.validation.interval:
                 await self.validate(0)
         last = self.last_step()
-        with _progress(cfg.training.steps, self.use_tqdm, "rl") as bar:
+        with progress_bar(cfg.training.steps, self.use_tqdm, "rl") as bar:
             bar.update(self.start_step)
             for step in range(self.start_step + 1, last + 1):
                 m = await self.rl_step(step)
@@ -490,36 +341,3 @@ class Controller:
         every = cfg.checkpoint.interval
         if every and (step % every == 0 or step == last):
             await self.save_checkpoint(step)
-
-
-MIN_BAR_COLUMNS = 40
-"""Below this a terminal's reported width is not believed (some report 0): use 80."""
-
-
-def _report_target_loss(ws, losses: list[float]) -> None:
-    mean, window = recent_mean(losses), min(len(losses), TARGET_LOSS_WINDOW)
-    if ws.reached_target(losses):
-        logger.warning(
-            "warm start stopped after %d of at most %d steps: mean loss %.3f of the last %d "
-            "reached warm_start.target_loss=%g", len(losses), ws.steps, mean, window,
-            ws.target_loss,
-        )  # fmt: skip
-    else:
-        logger.warning(
-            "warm start ran all %d steps: mean loss %.3f of the last %d stayed above "
-            "warm_start.target_loss=%g; RL starts from here (raise warm_start.steps to go on)",
-            ws.steps, mean, window, ws.target_loss,
-        )  # fmt: skip
-
-
-def _progress(total: int, enabled: bool, desc: str):
-    import shutil
-
-    from tqdm import tqdm
-
-    columns = shutil.get_terminal_size(fallback=(80, 24)).columns
-    fixed = None if columns >= MIN_BAR_COLUMNS else 80
-    return tqdm(
-        total=total, desc=desc, unit="step", disable=not enabled,
-        dynamic_ncols=fixed is None, ncols=fixed,
-    )  # fmt: skip

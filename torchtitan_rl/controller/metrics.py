@@ -10,7 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan_rl.rollout.advantages import group_has_signal
 from torchtitan_rl.rollout.episodes import count_branches
+from torchtitan_rl.rollout.rollouter import CollectedBatch
 from torchtitan_rl.types import Rollout, RolloutGroup, RolloutStatus
 
 
@@ -148,3 +150,32 @@ def validation_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         if counts.get(status):
             out[f"validation/status/{status.value}"] = counts[status] / len(rollouts)
     return out
+
+
+def batch_metrics(batch: CollectedBatch) -> dict[str, float]:
+    """Metrics over every rollout sampled this step (kept, filtered or surplus)."""
+    sampled, kept, surplus, rounds = batch.sampled(), batch.groups, batch.surplus, batch.rounds
+    rollouts = [r for g in sampled for r in g.rollouts]
+    valid = [r for r in rollouts if not r.status.is_error()]
+    statuses = Counter(r.status for r in rollouts)
+    metrics: dict[str, float] = {
+        "rollout/num_groups_sampled": float(len(sampled)),
+        "rollout/num_groups_kept": float(len(kept)),
+        "rollout/num_groups_filtered": float(len(sampled) - len(kept) - len(surplus)),
+        "rollout/num_groups_surplus": float(len(surplus)),
+        "rollout/num_sampling_rounds": float(rounds),
+        "rollout/num_rollouts": float(len(rollouts)),
+        "rollout/num_error_rollouts": float(len(rollouts) - len(valid)),
+    }
+    for status in RolloutStatus:
+        share = statuses.get(status, 0) / len(rollouts) if rollouts else 0.0
+        metrics[f"rollout/status/{status.value}"] = float(share)
+    if sampled:
+        metrics["rollout_reward/zero_std_frac"] = float(
+            sum(not group_has_signal(g) for g in sampled) / len(sampled)
+        )
+    if valid:
+        rewards = np.array([r.reward for r in valid], dtype=np.float64)
+        metrics["rollout_reward/mean"] = float(rewards.mean())
+        metrics["rollout_reward/std"] = float(rewards.std())
+    return metrics

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from torchtitan_rl.controller.metrics import first_last_mean
+from pathlib import Path
+
+from torchtitan_rl.controller.metrics import MetricsLogger, first_last_mean
 
 SUMMARY_TAGS = ("rollout_reward/mean", "validation_reward/mean", "perf/step_seconds")
 """The series the summary reads; checkpoints carry them so a resumed run's summary covers
 the whole run."""
 
 
-def summary_lines(controller, wall_seconds: float) -> list[str]:
-    m = controller.metrics
+def summary_lines(m: MetricsLogger, run_dir: Path, wall_seconds: float) -> list[str]:
+    """The run's summary from the metrics it logged (`m`) and what lies in `run_dir`."""
     reward = m.series("rollout_reward/mean")
     k = max(1, min(5, len(reward) // 2))  # first and last k never overlap
     first, last = first_last_mean(reward, k)
@@ -18,7 +20,7 @@ def summary_lines(controller, wall_seconds: float) -> list[str]:
     ran = len(m.series("perf/step_seconds"))  # a step whose rollouts all errored logs no reward
     lines = [
         "=" * 64,
-        f"run      {controller.run_dir}",
+        f"run      {run_dir}",
         f"steps    {ran} RL steps, wall time {wall_seconds:.0f} s",
         f"reward   rollout_reward/mean first {k} steps {first:.3f} -> last {k} steps {last:.3f}",
     ]
@@ -32,7 +34,7 @@ def summary_lines(controller, wall_seconds: float) -> list[str]:
         lines.append(f"speed    {sum(step_s) / len(step_s):.2f} s/step on average")
     lines += [
         f"logs     tensorboard --logdir {m.tb_dir}",
-        f"config   {controller.run_dir / 'config.toml'}",
+        f"config   {run_dir / 'config.toml'}",
     ]
     for name, what in (
         ("hf", "policy as a Hugging Face folder"),
@@ -40,11 +42,11 @@ def summary_lines(controller, wall_seconds: float) -> list[str]:
         ("checkpoints", "rerunning the same command resumes from the latest"),
         ("errors.log", "tracebacks of rollouts that errored"),
     ):
-        if (controller.run_dir / name).exists():
+        if (run_dir / name).exists():
             lines.append(f"{name + '/' if name != 'errors.log' else name:<8} {what}")
     lines.append("=" * 64)
     return lines
 
 
-def print_summary(controller, wall_seconds: float) -> None:
-    print("\n".join(summary_lines(controller, wall_seconds)))
+def print_summary(m: MetricsLogger, run_dir: Path, wall_seconds: float) -> None:
+    print("\n".join(summary_lines(m, run_dir, wall_seconds)))

@@ -17,7 +17,6 @@ import hashlib
 import logging
 import math
 import traceback
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -53,9 +52,14 @@ class CollectedBatch:
     groups: list[RolloutGroup]
     next_index: int
     """The next unused training sample index."""
-    metrics: dict[str, float]
+    rounds: int
+    """Sampling rounds it took: 1, plus one per refill round."""
     filtered: list[RolloutGroup]
     surplus: list[RolloutGroup] = field(default_factory=list)
+
+    def sampled(self) -> list[RolloutGroup]:
+        """Every group of the step in sampling order (group ids count in that order)."""
+        return sorted([*self.groups, *self.filtered, *self.surplus], key=lambda g: g.group_id)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -281,7 +285,7 @@ class Rollouter:
     ) -> CollectedBatch:
         """Sample prompts until `prompts_per_step` groups survive filtering.
 
-        Returns the kept groups, the next unused sample index, metrics and the groups
+        Returns the kept groups, the next unused sample index, the rounds taken and the groups
         filtered out (errored rollouts among them are reported, not lost). After
         `max_sampling_rounds` refill rounds, or (1 + max_sampling_rounds) * prompts_per_step
         groups, it warns and returns what it has, which may be fewer groups or none at all.
@@ -328,11 +332,10 @@ class Rollouter:
                 rounds - 1,
                 cfg.max_sampling_rounds,
             )
-        metrics = _batch_metrics(sampled, kept, surplus, rounds)
         used = [*kept, *surplus]
         filtered = [g for g in sampled if not any(g is k for k in used)]
         return CollectedBatch(
-            groups=kept, next_index=index, metrics=metrics, filtered=filtered, surplus=surplus
+            groups=kept, next_index=index, rounds=rounds, filtered=filtered, surplus=surplus
         )
 
 
@@ -361,33 +364,3 @@ def _fail(
     rollout.reward = 0.0
     rollout.reward_breakdown = {}
     return rollout
-
-
-def _batch_metrics(
-    sampled: list[RolloutGroup], kept: list[RolloutGroup], surplus: list[RolloutGroup], rounds: int
-) -> dict[str, float]:
-    """Metrics over every rollout sampled this step (kept or filtered)."""
-    rollouts = [r for g in sampled for r in g.rollouts]
-    valid = [r for r in rollouts if not r.status.is_error()]
-    statuses = Counter(r.status for r in rollouts)
-    metrics: dict[str, float] = {
-        "rollout/num_groups_sampled": float(len(sampled)),
-        "rollout/num_groups_kept": float(len(kept)),
-        "rollout/num_groups_filtered": float(len(sampled) - len(kept) - len(surplus)),
-        "rollout/num_groups_surplus": float(len(surplus)),
-        "rollout/num_sampling_rounds": float(rounds),
-        "rollout/num_rollouts": float(len(rollouts)),
-        "rollout/num_error_rollouts": float(len(rollouts) - len(valid)),
-    }
-    for status in RolloutStatus:
-        share = statuses.get(status, 0) / len(rollouts) if rollouts else 0.0
-        metrics[f"rollout/status/{status.value}"] = float(share)
-    if sampled:
-        metrics["rollout_reward/zero_std_frac"] = float(
-            sum(not group_has_signal(g) for g in sampled) / len(sampled)
-        )
-    if valid:
-        rewards = np.array([r.reward for r in valid], dtype=np.float64)
-        metrics["rollout_reward/mean"] = float(rewards.mean())
-        metrics["rollout_reward/std"] = float(rewards.std())
-    return metrics

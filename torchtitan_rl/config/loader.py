@@ -16,7 +16,7 @@ from typing import Any
 import tomli
 import torch
 
-from torchtitan_rl.controller.config import (
+from torchtitan_rl.config.job import (
     CheckpointConfig,
     JobConfig,
     ParallelismConfig,
@@ -226,93 +226,23 @@ def to_toml(config: Config) -> str:
         section = getattr(config, f.name)
         for sf in dataclasses.fields(section):
             if not isinstance(getattr(section, sf.name), dict):
-                lines.append(f"{sf.name} = {_toml_value(getattr(section, sf.name))}")
+                lines.append(f"{sf.name} = {toml_value(getattr(section, sf.name))}")
         lines.append("")
         if f.name == "env":
             args = config.env_args()
             lines.append("[env.args]")
             for af in dataclasses.fields(args) if args is not None else ():
-                lines.append(f"{af.name} = {_toml_value(getattr(args, af.name))}")
+                lines.append(f"{af.name} = {toml_value(getattr(args, af.name))}")
             lines.append("")
     return "\n".join(lines)
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
     if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{escaped}"'
-
-
-def _field_docs(cls: type) -> dict[str, str]:
-    """{field: its docstring}: the string literal under each annotated field in the source
-    (Python keeps no attribute docstrings at runtime)."""
-    import ast
-    import inspect
-    import textwrap
-
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
-        return {}
-    body = tree.body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
-
-
-def _describe_section(name: str, section: Any) -> list[str]:
-    import textwrap
-
-    docs = _field_docs(type(section))
-    hints = typing.get_type_hints(type(section))
-    lines = [f"[{name}]"]
-    for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
-        if isinstance(value, dict):
-            continue  # [env.args] is described on its own
-        kind = getattr(hints[f.name], "__name__", str(hints[f.name]))
-        lines.append(f"  {name}.{f.name} ({kind}) = {_toml_value(value)}")
-        for text in textwrap.wrap(docs.get(f.name, ""), 88, break_on_hyphens=False):
-            lines.append(f"      {text}")
-    return lines
-
-
-def help_text(config: Config) -> str:
-    """Usage, then every section's keys with type, value (the defaults, or the config file
-    and overrides given) and docstring."""
-    lines = [
-        "usage: ./run_train.sh [--section.key=value ...] [--env.args.key=value ...]",
-        "       [--debug] [--print-config] [--help]",
-        "",
-        "CONFIG_FILE picks the job file (default: train_configs/alphabet_sort_tiny.toml in",
-        "this repository); every key below can be overridden on the command line. Values",
-        "shown are the ones in effect: the defaults, then CONFIG_FILE, then the overrides.",
-        "--debug shows tracebacks; --print-config prints the resolved config and exits.",
-        "",
-    ]
-    for f in dataclasses.fields(config):
-        lines += _describe_section(f.name, getattr(config, f.name))
-        if f.name == "env":
-            try:
-                args = config.env_args()
-            except ConfigError:
-                args = None
-            lines.append("")
-            lines.append(f"[env.args]  (settings of environment {config.env.name!r})")
-            if args is not None:
-                lines += _describe_section("env.args", args)[1:]
-        lines.append("")
-    return "\n".join(lines)

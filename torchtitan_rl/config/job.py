@@ -1,4 +1,4 @@
-"""Config sections owned by the controller: job, parallelism, validation, checkpoint."""
+"""The job-wide config sections: job, parallelism, validation, checkpoint."""
 
 from __future__ import annotations
 

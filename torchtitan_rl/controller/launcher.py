@@ -1,0 +1,129 @@
+"""Where the processes come from: the trainer mesh and one mesh per generator replica, and the
+actors spawned on them. The controller takes meshes from here and never asks for a host
+itself, so placement (which GPU, which host) is decided in this one module.
+
+    meshes = await launch_local(config.parallelism, replicas=2)
+    trainer = spawn_trainer(meshes.trainer, config, vocab_size=..., log_dir=...)
+    generators = spawn_generators(meshes.generators, names, config, ...)
+    ...
+    await stop_meshes(meshes)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from torchtitan_rl.actors.generator import GeneratorActor
+from torchtitan_rl.actors.trainer import TrainerActor
+from torchtitan_rl.config import Config
+from torchtitan_rl.config.job import ParallelismConfig
+from torchtitan_rl.controller.supervision import SupervisionError
+from torchtitan_rl.types import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class ActorGenerateFn:
+    """GenerateFn over a generator actor; None when the actor cannot be reached."""
+
+    def __init__(self, generator):
+        self.generator = generator
+
+    async def __call__(self, prompt_ids, *, request_id, session_id=None, sampling=None):
+        sampling = sampling or SamplingParams()
+        try:
+            return await self.generator.generate.call_one(
+                prompt_ids, request_id, session_id, sampling
+            )
+        except SupervisionError:  # the process died: the Supervisor ends the run
+            logger.debug("generate %s: generator died", request_id)
+            return None
+        except Exception as e:  # the call failed: the rollout becomes a generator error
+            logger.warning("generate %s failed: %s", request_id, e)
+            return None
+
+
+STOP_TIMEOUT_S = 10.0
+"""How long a mesh may take to stop (its processes may be dead or stuck)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Meshes:
+    """The proc meshes of one run: `trainer` (torch.distributed inside), `generators` (one
+    per replica, in replica order)."""
+
+    trainer: object
+    generators: list = field(default_factory=list)
+
+    def all(self) -> list:
+        return [self.trainer, *self.generators]
+
+
+async def launch_local(parallelism: ParallelismConfig, replicas: int) -> Meshes:
+    """This host: `trainer_procs` processes for the trainer (one GPU each with CUDA) and one
+    process per generator replica; the trainer's get a torch.distributed environment."""
+    from monarch.actor import this_host
+    from monarch.spmd import setup_torch_elastic_env_async
+
+    kind = "gpus" if parallelism.device == "cuda" else "procs"
+    host = this_host()
+    trainer = host.spawn_procs(per_host={kind: parallelism.trainer_procs})
+    generators = [host.spawn_procs(per_host={kind: 1}) for _ in range(replicas)]
+    await setup_torch_elastic_env_async(trainer)
+    return Meshes(trainer=trainer, generators=generators)
+
+
+def spawn_trainer(mesh, config: Config, *, vocab_size: int, log_dir: str) -> TrainerActor:
+    """The trainer actor on every process of `mesh`, with its own config sections."""
+    cfg = config
+    return mesh.spawn(
+        "trainer",
+        TrainerActor,
+        model=cfg.model,
+        training=cfg.training,
+        loss=cfg.loss,
+        correction=cfg.correction,
+        vocab_size=vocab_size,
+        device=cfg.parallelism.device,
+        seed=cfg.job.seed,
+        cpu_threads=cfg.parallelism.threads(cfg.parallelism.trainer_procs),
+        tp=cfg.parallelism.tp,
+        log_dir=log_dir,
+    )
+
+
+def spawn_generators(
+    meshes: list, names: list[str], config: Config, *, vocab_size: int, log_dir: str,
+    hf_folder: str,
+) -> list[GeneratorActor]:  # fmt: skip
+    """One generator actor per mesh, named `names[i]` (the names the Supervisor reports)."""
+    cfg = config
+    return [
+        mesh.spawn(
+            name,
+            GeneratorActor,
+            model=cfg.model,
+            engine=cfg.generator,
+            vocab_size=vocab_size,
+            device=cfg.parallelism.device,
+            cpu_threads=cfg.parallelism.threads(len(meshes)),
+            actor_name=name,
+            log_dir=log_dir,
+            hf_folder=hf_folder,
+        )
+        for name, mesh in zip(names, meshes, strict=True)
+    ]
+
+
+async def stop_meshes(meshes: list) -> None:
+    """Stop every mesh, each within STOP_TIMEOUT_S; a failure to stop is logged, not raised."""
+
+    async def stop(mesh):
+        try:
+            await asyncio.wait_for(mesh.stop(), timeout=STOP_TIMEOUT_S)
+        except Exception as e:
+            logger.warning("stopping a proc mesh: %s", e)
+
+    await asyncio.gather(*(stop(mesh) for mesh in meshes))

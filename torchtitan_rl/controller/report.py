@@ -1,0 +1,82 @@
+"""One report per RL step: built once from what the step produced, then written everywhere a
+person reads it (console warnings, errors.log, rollout records, TensorBoard).
+
+    report = StepReport(step=3, batch=batch, train=train_metrics, generate_seconds=..., ...)
+    metrics = reporter.report(report)   # every scalar of the step, as logged
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchtitan_rl.controller.diagnostics import StepDiagnostics
+from torchtitan_rl.controller.metrics import MetricsLogger, batch_metrics, rollout_metrics
+from torchtitan_rl.rollout.records import write_step_records
+from torchtitan_rl.rollout.rollouter import CollectedBatch
+
+
+@dataclass(kw_only=True, slots=True)
+class StepReport:
+    """What one RL step produced: its rollouts, its training metrics and its timings."""
+
+    step: int
+    batch: CollectedBatch
+    """Every group the step sampled: trained, filtered out, or surplus."""
+    train: dict[str, float]
+    """Batcher and trainer metrics (batcher/*, loss/*, trainer/*, ...)."""
+    generate_seconds: float
+    train_seconds: float
+    sync_seconds: float
+    step_seconds: float
+    """Wall time of the whole step, generation to the end of the weight sync."""
+
+    def generated_tokens(self) -> int:
+        """Tokens the generators sampled for the trained groups."""
+        return sum(
+            t.completion.num_tokens for g in self.batch.groups for r in g.rollouts for t in r.turns
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """Every scalar of the step: rollouts sampled, rollouts trained, training, speed."""
+        tokens = self.train.get("batcher/num_tokens", 0.0)
+        return {
+            **batch_metrics(self.batch),
+            **rollout_metrics(self.batch.groups),
+            **self.train,
+            "perf/sync_seconds": self.sync_seconds,
+            "perf/step_seconds": self.step_seconds,
+            "perf/generate_seconds": self.generate_seconds,
+            "perf/train_seconds": self.train_seconds,
+            "perf/tokens_per_second": tokens / self.step_seconds,
+            "perf/generated_tokens_per_second": self.generated_tokens()
+            / max(self.generate_seconds, 1e-9),
+        }
+
+
+class StepReporter:
+    """Writes a StepReport to the console (through `diagnostics`), the run's rollout records
+    and TensorBoard (`metrics`)."""
+
+    def __init__(
+        self, run_dir: Path, diagnostics: StepDiagnostics, metrics: MetricsLogger, seq_len: int
+    ):
+        self.records_dir = run_dir / "rollouts"
+        self.diagnostics = diagnostics
+        self.metrics = metrics
+        self.seq_len = seq_len
+
+    def report(self, report: StepReport) -> dict[str, float]:
+        """Write `report` everywhere; returns the scalars logged."""
+        step, batch = report.step, report.batch
+        self.diagnostics.report(step, [*batch.groups, *batch.filtered, *batch.surplus])
+        write_step_records(self.records_dir, step, batch.groups, filtered=batch.filtered)
+        metrics = report.metrics()
+        self.diagnostics.report_dropped(
+            step,
+            metrics.get("batcher/num_dropped_oversized", 0.0),
+            metrics.get("batcher/num_sequences", 0.0),
+            self.seq_len,
+        )
+        self.metrics.log(metrics, step)
+        return metrics

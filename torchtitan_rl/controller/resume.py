@@ -1,0 +1,70 @@
+"""Saving a run's state and continuing from it: what changed since the checkpoint, the
+restore, and the save (trainer shards, controller JSON, one atomic rename).
+
+The on-disk layout and the checks of a checkpoint's integrity live in `checkpoints`; this
+module decides what goes into one and what a resume may change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tomli
+
+from torchtitan_rl.config import Config, to_toml
+from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
+
+RESUME_FROZEN = ("model.",)
+"""Config keys a resume cannot change: the checkpoint's weights have that model's shape."""
+
+
+def config_changes(saved: dict, config: Config) -> list[str]:
+    """ "section.key: old -> new" for every key whose value differs from the saved TOML."""
+    current = tomli.loads(to_toml(config))
+    changes = []
+    for section, values in current.items():
+        for key, value in values.items():
+            old = saved.get(section, {}).get(key)
+            if isinstance(value, dict):  # [env.args]
+                for sub, v in value.items():
+                    if (old or {}).get(sub) != v:
+                        changes.append(f"{section}.{key}.{sub}: {(old or {}).get(sub)!r} -> {v!r}")
+            elif old != value:
+                changes.append(f"{section}.{key}: {old!r} -> {value!r}")
+    return changes
+
+
+def check_resume(store: CheckpointStore, config: Config) -> list[str]:
+    """Before anything is written or spawned: how `config` differs from the latest good
+    checkpoint's (lines "key: old -> new"); ValueError for a change that cannot work."""
+    latest = store.latest()
+    if latest is None:
+        return []
+    changes = config_changes(tomli.loads((latest / "config.toml").read_text()), config)
+    frozen = [c for c in changes if c.split(":")[0].startswith(RESUME_FROZEN)]
+    if frozen:
+        raise ValueError(
+            f"cannot resume {latest} with a changed {frozen[0]}: the checkpoint holds "
+            f"another model; use a new job.run_name"
+        )
+    return changes
+
+
+async def restore(trainer, folder: Path, state: ControllerState) -> None:
+    """Load the trainer's shards of `folder` on every rank and the global RNGs; the caller
+    takes the rest of `state` (data position, last validation, summary series)."""
+    await trainer.load_checkpoint.call(str(folder / "trainer"))
+    state.restore_rngs()
+
+
+async def save(
+    store: CheckpointStore, trainer, config: Config, step: int, *, capture, export_hf
+) -> Path:
+    """Trainer ranks write their shards, `export_hf(folder)` the Hugging Face copy when the
+    config asks for one, the controller the JSON of `capture()` (taken last, so it holds the
+    RNG states after everything else); then one rename makes it complete."""
+    tmp = store.begin(step)
+    await trainer.save_checkpoint.call(str(tmp / "trainer"))
+    if config.checkpoint.export_hf:
+        await export_hf(tmp / "hf")
+    return store.commit(tmp, step, capture(), to_toml(config))
