@@ -4,7 +4,10 @@
 
 A mistake the user can make (config, missing file, lengths, an env that fails to import, a
 process that dies) ends with one `error: ...` line and a non-zero exit code; `--debug`
-shows the traceback instead. Exit codes: 2 config, 1 run failure, 130 interrupted.
+shows the traceback instead. Exit codes: 2 config, 1 run failure, 130 interrupted (Ctrl-C),
+143 terminated (SIGTERM: `kill`, `docker stop`, a scheduler's preemption). Both stops close
+every process and say whether the same command resumes; the step in progress is not saved
+(resume continues from the latest checkpoint, `checkpoint.interval`).
 `--help` lists every key with its default and docstring; `--print-config` prints the
 resolved config and exits.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -93,11 +97,17 @@ def _train(config, debug: bool) -> int:
         return _fail(e, debug, 1)
     print(f"config   {controller.run_dir / 'config.toml'} (--print-config shows it)")
     t0 = time.perf_counter()
+    terminated = []
     try:
-        asyncio.run(_run(controller))
+        asyncio.run(_run(controller, terminated))
     except KeyboardInterrupt:
         print(f"interrupted: {_resume_hint(controller)}", file=sys.stderr)
         return 130
+    except asyncio.CancelledError:
+        if not terminated:
+            raise
+        print(f"terminated (SIGTERM): {_resume_hint(controller)}", file=sys.stderr)
+        return 143
     except Exception as e:
         return _fail(e, debug, 1)
     print_summary(controller.metrics, controller.run_dir, time.perf_counter() - t0)
@@ -132,10 +142,20 @@ def _setup_logging(debug: bool) -> None:
     package.setLevel(logging.INFO if debug else logging.WARNING)
 
 
-async def _run(controller) -> None:
+async def _run(controller, terminated: list) -> None:
+    """Run, then close; SIGTERM cancels the run like Ctrl-C does (and is noted in
+    `terminated`), so the processes are closed either way."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+
+    def on_sigterm():
+        terminated.append(signal.SIGTERM)
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     try:
         await controller.run()
     finally:
+        loop.remove_signal_handler(signal.SIGTERM)
         await controller.close()
 
 
@@ -143,7 +163,8 @@ def _fail(error: BaseException, debug: bool, code: int, prefix: str = "") -> int
     if debug:
         traceback.print_exception(error)
     else:
-        hint = "" if code == 2 else " (run with --debug for the traceback)"
+        plain = code == 2 or getattr(error, "needs_no_traceback", False)
+        hint = "" if plain else " (run with --debug for the traceback)"
         print(f"error: {prefix}{one_line(error)}{hint}", file=sys.stderr)
     return code
 
@@ -155,12 +176,13 @@ def one_line(error: BaseException) -> str:
         from monarch.actor import ActorError
 
         from torchtitan_rl.config import ConfigError
+        from torchtitan_rl.controller.run_lock import RunFolderBusy
         from torchtitan_rl.controller.supervision import ActorFailure
     except Exception:  # the import itself is what failed
-        ActorError = ConfigError = ActorFailure = ()  # noqa: N806
+        ActorError = ConfigError = ActorFailure = RunFolderBusy = ()  # noqa: N806
     if isinstance(error, ActorError):
         error = error.exception
-    if isinstance(error, (ConfigError, ActorFailure)):
+    if isinstance(error, (ConfigError, ActorFailure, RunFolderBusy)):
         return str(error).splitlines()[0]
     text = (str(error).strip().splitlines() or [""])[0]
     where = ""

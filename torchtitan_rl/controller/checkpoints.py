@@ -6,17 +6,23 @@
         hf/                      Hugging Face export (only with checkpoint.export_hf)
         controller.json          ControllerState: step, data position, RNG, summary series
         config.toml              the resolved config that wrote it (for reference)
+        MANIFEST.json            {file: {"bytes": n, "sha256": hex}} of every file above
         COMPLETE                 the completion marker, written last
       .tmp-step_9/               a save in progress (or one killed mid-way): never loaded
+      damaged-step_8/            a checkpoint that failed its manifest, moved aside, kept
 
-A checkpoint is loaded only when its folder is named step_<N> and holds the marker, so a
-process killed at any point of a save leaves the previous checkpoint as the latest.
+A checkpoint is loaded only when its folder is named step_<N>, holds the marker and every file
+matches the manifest, so a process killed at any point of a save leaves the previous checkpoint
+as the latest, and so does a file damaged after the save (a full disk, a truncated copy): the
+run then continues from the newest checkpoint that is whole and says which file was wrong.
 No torch here: the controller process only moves folders and JSON.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -26,8 +32,13 @@ from pathlib import Path
 
 import numpy as np
 
+logger = logging.getLogger(__name__)
+
 MARKER = "COMPLETE"
+MANIFEST = "MANIFEST.json"
+DAMAGED_PREFIX = "damaged-"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_HASH_CHUNK = 1 << 24
 
 
 @dataclass(kw_only=True, slots=True)
@@ -110,6 +121,8 @@ class CheckpointStore:
         assert keep_latest >= 1
         self.root = Path(run_dir) / "checkpoints"
         self.keep_latest = keep_latest
+        self._problems: dict[Path, str | None] = {}
+        """`problem(folder)` answers, once per folder (hashing a big checkpoint takes seconds)."""
 
     def complete(self) -> list[tuple[int, Path]]:
         """(step, folder) of every complete checkpoint, oldest first."""
@@ -123,8 +136,35 @@ class CheckpointStore:
         return sorted(found)
 
     def latest(self) -> Path | None:
-        done = self.complete()
-        return done[-1][1] if done else None
+        """The newest complete checkpoint whose files match its manifest (reads only)."""
+        for _, path in reversed(self.complete()):
+            if self.problem(path) is None:
+                return path
+        return None
+
+    def problem(self, folder: Path) -> str | None:
+        """What is wrong with a complete checkpoint's files (naming the file), or None."""
+        if folder not in self._problems:
+            self._problems[folder] = verify(folder)
+        return self._problems[folder]
+
+    def set_aside_damaged(self) -> list[tuple[Path, str]]:
+        """Rename every complete checkpoint newer than `latest()` that fails its manifest to
+        damaged-step_<N> (kept for a look, never loaded or pruned); returns (new path, what
+        is wrong) for each. Call while holding the run's lock."""
+        good = self.latest()
+        newest_good = int(_STEP_DIR.match(good.name).group(1)) if good else -1
+        moved = []
+        for step, path in self.complete():
+            problem = self.problem(path)
+            if step > newest_good and problem is not None:
+                target = path.with_name(DAMAGED_PREFIX + path.name)
+                if target.exists():
+                    shutil.rmtree(target)
+                os.replace(path, target)
+                self._problems.pop(path, None)
+                moved.append((target, problem))
+        return moved
 
     def begin(self, step: int) -> Path:
         """A fresh, empty temp folder for the checkpoint of `step` (a stale one is removed)."""
@@ -139,6 +179,7 @@ class CheckpointStore:
         rename it to step_<step>, then drop checkpoints beyond `keep_latest`."""
         (tmp / "controller.json").write_text(state.to_json())
         (tmp / "config.toml").write_text(config_toml)
+        (tmp / MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1, sort_keys=True))
         _fsync_tree(tmp)
         marker = tmp / MARKER
         marker.write_text(f"step {step}\n")
@@ -147,6 +188,7 @@ class CheckpointStore:
         if final.exists():  # an incomplete leftover of that name (complete ones are unique)
             shutil.rmtree(final)
         os.replace(tmp, final)
+        self._problems.pop(final, None)
         _fsync_dir(self.root)
         self.prune()
         return final
@@ -168,6 +210,52 @@ class CheckpointStore:
     def load_state(folder: Path) -> ControllerState:
         assert (folder / MARKER).is_file(), f"{folder} is not a complete checkpoint"
         return ControllerState.from_json((folder / "controller.json").read_text())
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MARKER, MANIFEST))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, dict]:
+    """{relative path: {"bytes": size, "sha256": hex}} of every file a checkpoint holds."""
+    return {
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in _files(folder)
+    }
+
+
+def verify(folder: Path) -> str | None:
+    """None when every file of the checkpoint `folder` matches its manifest and its
+    controller.json reads; else one phrase naming the file and what is wrong with it.
+    A checkpoint written before manifests existed is checked by its controller.json only."""
+    manifest_path = folder / MANIFEST
+    if manifest_path.is_file():
+        try:
+            expected = json.loads(manifest_path.read_text())
+        except ValueError:
+            return f"{manifest_path} does not read as JSON"
+        for name, entry in expected.items():
+            path = folder / name
+            if not path.is_file():
+                return f"{path} is missing"
+            size = path.stat().st_size
+            if size != entry["bytes"]:
+                return f"{path} has {size} bytes, the manifest says {entry['bytes']}"
+            if _sha256(path) != entry["sha256"]:
+                return f"{path} does not match its checksum"
+    try:
+        ControllerState.from_json((folder / "controller.json").read_text())
+    except (OSError, ValueError, TypeError) as e:
+        return f"{folder / 'controller.json'} does not read ({type(e).__name__}: {e})"
+    return None
 
 
 def _fsync_file(path: Path) -> None:

@@ -32,6 +32,7 @@ from torchtitan_rl.controller.launcher import (
 from torchtitan_rl.controller.metrics import MetricsLogger, validation_metrics
 from torchtitan_rl.controller.progress import progress_bar
 from torchtitan_rl.controller.report import StepReport, StepReporter
+from torchtitan_rl.controller.run_lock import RunLock
 from torchtitan_rl.controller.summary import SUMMARY_TAGS
 from torchtitan_rl.controller.supervision import Supervisor
 from torchtitan_rl.controller.warm_start import check_demonstrations_fit, run_warm_start
@@ -76,6 +77,7 @@ class Controller:
         self.next_sample = 0
         self.last_validation = float("nan")
         self.store = CheckpointStore(self.run_dir, config.checkpoint.keep_latest)
+        self.lock = RunLock(self.run_dir)
         replica_names = [f"generator{i}" for i in range(1, config.generator.num_replicas)]
         self.log_dir = self.run_dir / "logs"
         """Where a process killed by a signal leaves its Python stacks (actors/fault_log.py)."""
@@ -116,8 +118,10 @@ class Controller:
         """Spawn the meshes, restore the latest complete checkpoint if there is one, and give
         the generator the trainer's weights. Says whether it starts fresh or resumes."""
         cfg = self.config
+        self.lock.acquire()  # before anything in the folder is read for use or written
         changes = self.check_resume()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for path, problem in self.store.set_aside_damaged():
+            logger.warning("checkpoint damaged: %s; moved it to %s", problem, path)
         self.store.clean_temp()
         latest = self.store.latest()
         state = CheckpointStore.load_state(latest) if latest else None
@@ -179,6 +183,7 @@ class Controller:
         self.supervisor.uninstall()  # after the stops: a dying mesh still reports to it
         if self.metrics is not None:
             self.metrics.close()
+        self.lock.release()
 
     # ---- checkpoints ------------------------------------------------------------------
     async def restore(self, folder: Path, state: ControllerState) -> None:

@@ -39,6 +39,14 @@ def check_resume(store: CheckpointStore, config: Config) -> list[str]:
     checkpoint's (lines "key: old -> new"); ValueError for a change that cannot work."""
     latest = store.latest()
     if latest is None:
+        complete = store.complete()
+        if complete:  # there were checkpoints, and none is whole: never start over silently
+            newest = complete[-1][1]
+            raise ValueError(
+                f"no checkpoint in {store.root} is whole (the newest: "
+                f"{store.problem(newest)}); move {store.root.parent} away, or pick another "
+                "job.run_name, to start over"
+            )
         return []
     changes = config_changes(tomli.loads((latest / "config.toml").read_text()), config)
     frozen = [c for c in changes if c.split(":")[0].startswith(RESUME_FROZEN)]
