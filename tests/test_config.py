@@ -123,3 +123,19 @@ def test_vllm_backend_mistakes_are_one_line(monkeypatch, installed, overrides, n
         load_config(TINY, args)
     assert needle in str(e.value)
     assert load_config(TINY).generator.backend == "native"
+
+
+@pytest.mark.parametrize("key", ["training.lr", "warm_start.lr", "loss.kl_coef", "rollout.top_p"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_every_float_key_is_finite(key, value):
+    with pytest.raises(ConfigError, match=rf"^{key} must be a finite number, got "):
+        load_config(None, [f"--{key}={value}"])
+
+
+def test_a_choice_lists_its_values_from_its_type():
+    with pytest.raises(ConfigError, match=r"^parallelism.device must be one of 'auto', 'cpu', "
+                       r"'cuda'; got 'gpu'$"):  # fmt: skip
+        load_config(None, ["--parallelism.device=gpu"])
+    from torchtitan_rl.config import Config, help_text
+
+    assert 'parallelism.device ("auto" | "cpu" | "cuda") = "auto"' in help_text(Config())

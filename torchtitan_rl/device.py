@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
 
+DtypeName = Literal["float32", "bfloat16"]
+"""The type of every config key that names a dtype (training.dtype, generator.dtype, ...)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """Every dtype a config key may name (training.dtype, generator.dtype, exports, syncs)."""
-DTYPE_NAMES = tuple(DTYPES)
+DTYPE_NAMES = get_args(DtypeName)
+assert set(DTYPE_NAMES) == set(DTYPES)
 
 
 def pick_device(kind: str, cpu_threads: int = 0) -> torch.device:

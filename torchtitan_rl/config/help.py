@@ -44,7 +44,11 @@ def _describe_section(name: str, section: Any) -> list[str]:
         value = getattr(section, f.name)
         if isinstance(value, dict):
             continue  # [env.args] is described on its own
-        kind = getattr(hints[f.name], "__name__", str(hints[f.name]))
+        hint = hints[f.name]
+        if typing.get_origin(hint) is typing.Literal:
+            kind = " | ".join(toml_value(c) for c in typing.get_args(hint))
+        else:
+            kind = getattr(hint, "__name__", str(hint))
         lines.append(f"  {name}.{f.name} ({kind}) = {toml_value(value)}")
         for text in textwrap.wrap(docs.get(f.name, ""), 88, break_on_hyphens=False):
             lines.append(f"      {text}")

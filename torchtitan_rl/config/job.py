@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-from torchtitan_rl.device import DTYPE_NAMES
+from torchtitan_rl.device import DTYPE_NAMES, DtypeName
+
+Device = Literal["auto", "cpu", "cuda"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,7 +37,7 @@ class ParallelismConfig:
     """Trainer tensor-parallel degree, >= 1, dividing trainer_procs (and the model's query
     and key/value head counts, and batcher.seq_len). Consecutive ranks form a TP group
     that shares one batch slice; the LM head is vocab-parallel (losses/logprobs.py)."""
-    device: str = "auto"
+    device: Device = "auto"
     """"auto" (CUDA when present, else CPU), "cpu" or "cuda"."""
     cpu_threads_per_proc: int = 0
     """torch threads in each trainer/generator process on CPU; 0 = each role gets the cores
@@ -69,9 +72,9 @@ class ParallelismConfig:
             raise ValueError(
                 f"parallelism.cpu_threads_per_proc must be >= 0, got {self.cpu_threads_per_proc}"
             )
-        if self.device not in ("auto", "cpu", "cuda"):
+        if self.device not in get_args(Device):
             raise ValueError(
-                f"parallelism.device must be one of auto, cpu, cuda; got {self.device!r}"
+                f"parallelism.device must be one of {get_args(Device)}; got {self.device!r}"
             )
 
     def check_gpus(self) -> None:
@@ -125,7 +128,7 @@ class CheckpointConfig:
     export_hf: bool = False
     """Also write the policy as a Hugging Face folder (hf/) inside each checkpoint. The end
     of every run writes one to <output_dir>/<run_name>/hf/ regardless."""
-    export_dtype: str = "float32"
+    export_dtype: DtypeName = "float32"
     """Dtype of exported Hugging Face weights: "float32" (exact) or "bfloat16" (half size)."""
 
     def validate(self) -> None:

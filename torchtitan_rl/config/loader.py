@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,6 +135,15 @@ class Config:
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Check a TOML value against a field's type; ints are accepted for floats."""
     origin = typing.get_origin(hint)
+    if origin is typing.Literal:  # a fixed set of choices, listed by the type itself
+        choices = typing.get_args(hint)
+        if value not in choices or type(value) is not type(choices[0]):
+            raise ConfigError(
+                f"{key} must be one of {', '.join(map(repr, choices))}; got {value!r}"
+            )
+        return value
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
     if hint is bool:
         ok = isinstance(value, bool)
     elif hint is int:
