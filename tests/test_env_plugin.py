@@ -35,12 +35,9 @@ def arith_module(tmp_path, monkeypatch):
 
 
 def _config(tmp_path, *extra):
-    toml = tmp_path / "job.toml"
-    base = (ROOT / "train_configs" / "alphabet_sort_tiny.toml").read_text()
-    readme_env = readme_block("[env]", "toml")
-    # the README's [env] table replaces the tiny config's [env] and [env.args] tables
-    base = re.sub(r"\[env\].*?(?=\n\[loss\])", readme_env, base, flags=re.DOTALL)
-    toml.write_text(base)
+    """The README's complete job file for the environment, run under tmp_path."""
+    toml = tmp_path / "arith.toml"
+    toml.write_text(readme_block("# my_envs/arith.toml", "toml"))
     return load_config(toml, [f"--job.output_dir={tmp_path}", "--job.run_name=arith", *extra])
 
 
