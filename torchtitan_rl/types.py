@@ -143,6 +143,8 @@ class Rollout:
 class RolloutGroup:
     group_id: int
     rollouts: list[Rollout]
+    sample_index: int | None = None
+    """The training prompt's dataset index (None for validation and test groups)."""
 
 
 @dataclass(kw_only=True, slots=True)

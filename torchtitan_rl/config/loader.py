@@ -78,6 +78,13 @@ class Config:
                 "rollout.group_size=1: a group-relative advantage is 0 for every rollout, so "
                 "no RL step would train anything; use rollout.group_size >= 2"
             )
+        minibatches, staleness = self.training.minibatches, self.rollout.max_staleness
+        if 0 < staleness < minibatches:
+            raise ConfigError(
+                f"rollout.max_staleness={staleness} with training.minibatches={minibatches}: "
+                f"one step already moves the policy {minibatches} versions, so no batch could "
+                f"run ahead; use rollout.max_staleness = 0 or >= {minibatches}"
+            )
         self._check_generator_backend()
         self.env_args()  # the environment exists and its settings are valid
         if self.warm_start.steps > 0 and not self.environment_class().has_demonstrations():

@@ -55,6 +55,9 @@ class ControllerState:
     metrics are logged at the RL step, the warm start at steps <= 0)."""
     next_sample: int
     """Index of the next unused training prompt (`Environment.train_sample(index)`)."""
+    requeued: list[int] = field(default_factory=list)
+    """Prompts handed out before the save whose batch was neither trained nor kept (still in
+    flight, or dropped as stale): generated again first on resume."""
     last_validation: float = float("nan")
     """validation_reward/mean of the last evaluation (shown in the progress bar)."""
     python_rng: list = field(default_factory=list)
@@ -70,6 +73,7 @@ class ControllerState:
         *,
         step: int,
         next_sample: int,
+        requeued: list[int] = (),
         last_validation: float,
         history: dict[str, list[tuple[int, float]]],
     ) -> ControllerState:
@@ -78,6 +82,7 @@ class ControllerState:
         return cls(
             step=step,
             next_sample=next_sample,
+            requeued=list(requeued),
             last_validation=last_validation,
             python_rng=_jsonable(random.getstate()),
             numpy_rng=np_state,

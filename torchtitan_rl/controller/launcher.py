@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 from torchtitan_rl.actors.generator import GeneratorActor
@@ -26,13 +27,18 @@ logger = logging.getLogger(__name__)
 
 
 class ActorGenerateFn:
-    """GenerateFn over a generator actor; None when the actor cannot be reached."""
+    """GenerateFn over a generator actor; None when the actor cannot be reached. Keeps the
+    calls in flight, so a step that waits too long can say what the generator is doing."""
 
-    def __init__(self, generator):
+    def __init__(self, generator, name: str = "generator"):
         self.generator = generator
+        self.name = name
+        self.in_flight: dict[str, float] = {}
+        """{request_id: when it was sent} of calls not answered yet."""
 
     async def __call__(self, prompt_ids, *, request_id, session_id=None, sampling=None):
         sampling = sampling or SamplingParams()
+        self.in_flight[request_id] = time.perf_counter()
         try:
             return await self.generator.generate.call_one(
                 prompt_ids, request_id, session_id, sampling
@@ -43,6 +49,19 @@ class ActorGenerateFn:
         except Exception as e:  # the call failed: the rollout becomes a generator error
             logger.warning("generate %s failed: %s", request_id, e)
             return None
+        finally:
+            self.in_flight.pop(request_id, None)
+
+    def activity(self) -> str:
+        """One phrase: how many requests are in flight and the oldest of them."""
+        if not self.in_flight:
+            return f"{self.name}: no request in flight"
+        oldest = min(self.in_flight, key=self.in_flight.get)
+        age = time.perf_counter() - self.in_flight[oldest]
+        return (
+            f"{self.name}: {len(self.in_flight)} requests in flight, the oldest ({oldest}) "
+            f"for {age:.0f} s"
+        )
 
 
 STOP_TIMEOUT_S = 10.0

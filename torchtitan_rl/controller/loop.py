@@ -10,6 +10,7 @@ from it; a process that dies ends the run with one `ActorFailure` line (see `sup
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from torchtitan_rl.actors.trainer import TrainerActor
 from torchtitan_rl.config import Config, to_toml
 from torchtitan_rl.config.job import check_lengths
 from torchtitan_rl.controller import resume
+from torchtitan_rl.controller.ahead import RolloutPipeline
 from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
 from torchtitan_rl.controller.diagnostics import StepDiagnostics
 from torchtitan_rl.controller.launcher import (
@@ -45,8 +47,10 @@ from torchtitan_rl.rollout.batcher import pack_batch
 from torchtitan_rl.rollout.episodes import (
     rollout_to_episodes,
 )
-from torchtitan_rl.rollout.rollouter import Rollouter
+from torchtitan_rl.rollout.ledger import PromptLedger
+from torchtitan_rl.rollout.rollouter import CollectedBatch, Rollouter
 from torchtitan_rl.rollout.router import Router
+from torchtitan_rl.rollout.staleness import split_stale
 from torchtitan_rl.types import Episode, GenerateFn, RolloutGroup, SamplingParams
 from torchtitan_rl.weight_sync.transport import WeightSync
 
@@ -74,7 +78,15 @@ class Controller:
             self.environment, self.renderer, config.env, config.rollout, config.job.seed
         )
         self.use_tqdm = use_tqdm
-        self.next_sample = 0
+        self.ledger = PromptLedger()
+        """Training prompts handed out, in flight, and to hand out again (rollout/ledger.py)."""
+        self.lag = config.rollout.max_staleness // config.training.minibatches
+        """How many steps batches are generated ahead of the step that trains on them."""
+        self.pipeline = RolloutPipeline(
+            self._collect, sequential=config.rollout.ahead == "pipelined"
+        )
+        self.trainer_version = 0
+        """The trainer's policy version: the one the next RL step updates."""
         self.last_validation = float("nan")
         self.store = CheckpointStore(self.run_dir, config.checkpoint.keep_latest)
         self.lock = RunLock(self.run_dir)
@@ -149,7 +161,9 @@ class Controller:
             self.meshes.generators, list(self.supervisor.names[1:]), cfg, vocab_size=vocab,
             log_dir=log_dir, hf_folder=await self.generator_start_folder(),
         )  # fmt: skip
-        fns = [ActorGenerateFn(g) for g in self.generators]
+        fns = [
+            ActorGenerateFn(g, name) for g, name in zip(self.generators, self.supervisor.names[1:])
+        ]
         self.router = Router(fns) if replicas > 1 else None
         self.generate_fn = self.router or fns[0]
         self.weight_sync = await WeightSync.create(
@@ -174,6 +188,7 @@ class Controller:
 
     async def close(self) -> None:
         """Stop the actors and meshes (bounded waits: an actor may be dead or stuck)."""
+        await self.pipeline.close()
         for generator in self.generators:
             try:
                 await asyncio.wait_for(generator.close.call_one(), timeout=10)
@@ -189,22 +204,28 @@ class Controller:
     async def restore(self, folder: Path, state: ControllerState) -> None:
         self.supervisor.where = f"while loading {folder}"
         await resume.restore(self.trainer, folder, state)
-        self.next_sample = state.next_sample
+        self.ledger = PromptLedger(next_fresh=state.next_sample, requeued=list(state.requeued))
+        self.pipeline.restore(resume.load_pending(folder))
         self.last_validation = state.last_validation
         for tag, series in state.history.items():
             self.metrics.history[tag] = [(int(s), float(v)) for s, v in series]
 
     async def save_checkpoint(self, step: int) -> Path:
+        """The trainer's shards and the controller's state; batches generated ahead are kept
+        whole, and the prompts of batches still in flight are handed out again on resume."""
         self.supervisor.where = f"while saving the checkpoint of RL step {step}"
+        pending = self.pipeline.finished()
+        next_fresh, requeued = self.ledger.saved(keep=set(pending))
         return await resume.save(
             self.store, self.trainer, self.config, step,
             capture=lambda: ControllerState.capture(
                 step=step,
-                next_sample=self.next_sample,
+                next_sample=next_fresh,
+                requeued=requeued,
                 last_validation=self.last_validation,
                 history={t: self.metrics.history.get(t, []) for t in SUMMARY_TAGS},
             ),
-            export_hf=self.export_hf,
+            export_hf=self.export_hf, pending=pending,
         )  # fmt: skip
 
     async def export_hf(self, folder: Path) -> None:
@@ -216,7 +237,10 @@ class Controller:
     async def sync_weights(self) -> float:
         """Every generator gets the trainer's current weights (see weight_sync/transport.py);
         returns the seconds it took."""
-        return await self.weight_sync()
+        seconds = await self.weight_sync()
+        if self.weight_sync.version is not None:
+            self.trainer_version = self.weight_sync.version
+        return seconds
 
     # ---- stages -----------------------------------------------------------------------
     def _pack(self, episodes: list[Episode]):
@@ -260,26 +284,55 @@ class Controller:
         self.last_validation = metrics.get("validation_reward/mean", float("nan"))
         return self.last_validation
 
+    async def _collect(self, step: int) -> CollectedBatch:
+        """The batch of `step` (run by the pipeline, possibly while earlier steps train)."""
+        draw = functools.partial(self.ledger.draw, step)
+        return await self.rollouter.collect_batch(step, 0, self.generate_fn, draw=draw)
+
     async def rl_step(self, step: int) -> dict[str, float]:
-        """generate -> score -> pack + train -> sync -> report; returns the step's scalars."""
+        """generate -> score -> pack + train -> sync -> report; returns the step's scalars.
+        With rollout.max_staleness >= 1 the batch was generated while earlier steps trained."""
+        cfg = self.config.rollout
         self.supervisor.where = f"during RL step {step}"
         t0 = time.perf_counter()
-        batch = await self.rollouter.collect_batch(step, self.next_sample, self.generate_fn)
-        self.next_sample = batch.next_index
-        if self.router is not None:
-            self.router.reset_sessions()  # sessions never span steps
+        self.pipeline.fill(step)  # no-op when it runs ahead
+        batch = await self.pipeline.take(step, cfg.batch_timeout_s, self._activity)
+        if self.router is not None:  # sessions never span steps
+            self.router.forget(f"step={step}/") if self.lag else self.router.reset_sessions()
         t_gen = time.perf_counter()
+        version = self.trainer_version
+        batch.groups, batch.stale = split_stale(
+            batch.groups, version=version, max_staleness=cfg.max_staleness
+        )
+        self.ledger.settle(step)
+        self.ledger.requeue([g.sample_index for g in batch.stale])
         for group in batch.groups:
             compute_advantages(group, normalize_std=self.config.advantage.normalize_std)
         train_metrics = await self._train(batch.groups, step)
+        self.trainer_version = int(train_metrics.get("trainer/policy_version", version))
         t_train = time.perf_counter()
+        if self.lag and cfg.ahead == "pipelined":
+            await self.pipeline.wait_done(step + self.lag)  # new weights only between batches
         sync_seconds = await self.sync_weights()
         report = StepReport(
-            step=step, batch=batch, train=train_metrics, generate_seconds=t_gen - t0,
-            train_seconds=t_train - t_gen, sync_seconds=sync_seconds,
+            step=step, batch=batch, train=train_metrics, version=version,
+            generate_seconds=self.pipeline.seconds.pop(step, t_gen - t0),
+            trainer_wait_seconds=t_gen - t0, train_seconds=t_train - t_gen,
+            sync_seconds=sync_seconds, generator_wait_seconds=self.pipeline.idle_seconds(),
             step_seconds=time.perf_counter() - t0,
         )  # fmt: skip
         return self.reporter.report(report)
+
+    async def _activity(self) -> str:
+        """What every generator is doing, for a step that waited too long for its batch."""
+        fns = self.router.replicas if self.router is not None else [self.generate_fn]
+        phrases = [fn.activity() for fn in fns]
+        if all("no request in flight" in p for p in phrases):
+            phrases.append(
+                "so the rollouts wait on the environment (env.step_timeout_s="
+                f"{self.config.env.step_timeout_s:g})"
+            )
+        return "; ".join(phrases)
 
     async def _train(self, groups: list[RolloutGroup], step: int) -> dict[str, float]:
         """One RL step on the trainer: an optimizer step per minibatch of whole groups
@@ -324,9 +377,14 @@ class Controller:
         last = self.last_step()
         with progress_bar(cfg.training.steps, self.use_tqdm, "rl") as bar:
             bar.update(self.start_step)
+            self.pipeline.fill(min(self.start_step + 1 + self.lag, cfg.training.steps))
             for step in range(self.start_step + 1, last + 1):
                 m = await self.rl_step(step)
                 await self._after_step(step, last)
+                # the next batches start with the weights after this step (pipelined: only
+                # now, after validation and checkpoint, so those see nothing in flight)
+                if step < last:
+                    self.pipeline.fill(min(step + 1 + self.lag, cfg.training.steps))
                 bar.update(1)
                 bar.set_postfix(
                     reward=f"{m.get('rollout_reward/mean', float('nan')):.3f}",

@@ -14,6 +14,7 @@ from torchtitan_rl.controller.diagnostics import StepDiagnostics
 from torchtitan_rl.controller.metrics import MetricsLogger, batch_metrics, rollout_metrics
 from torchtitan_rl.rollout.records import write_step_records
 from torchtitan_rl.rollout.rollouter import CollectedBatch
+from torchtitan_rl.rollout.staleness import staleness_metrics
 
 
 @dataclass(kw_only=True, slots=True)
@@ -22,14 +23,21 @@ class StepReport:
 
     step: int
     batch: CollectedBatch
-    """Every group the step sampled: trained, filtered out, or surplus."""
+    """Every group the step sampled: trained (`groups`), filtered out, or surplus."""
     train: dict[str, float]
     """Batcher and trainer metrics (batcher/*, loss/*, trainer/*, ...)."""
+    version: int
+    """The policy version the step updated (staleness is counted from it)."""
     generate_seconds: float
+    """Wall time the batch took to generate (it may overlap earlier steps)."""
+    trainer_wait_seconds: float
+    """How long the step waited for its batch (the trainer idle)."""
     train_seconds: float
     sync_seconds: float
+    generator_wait_seconds: float
+    """Since the last step: seconds no batch was generating (waiting for weights or room)."""
     step_seconds: float
-    """Wall time of the whole step, generation to the end of the weight sync."""
+    """Wall time of the whole step, waiting for the batch to the end of the weight sync."""
 
     def generated_tokens(self) -> int:
         """Tokens the generators sampled for the trained groups."""
@@ -43,11 +51,15 @@ class StepReport:
         return {
             **batch_metrics(self.batch),
             **rollout_metrics(self.batch.groups),
+            **staleness_metrics(self.batch.groups, version=self.version),
+            "rollout/dropped_stale": float(sum(len(g.rollouts) for g in self.batch.stale)),
             **self.train,
             "perf/sync_seconds": self.sync_seconds,
             "perf/step_seconds": self.step_seconds,
             "perf/generate_seconds": self.generate_seconds,
             "perf/train_seconds": self.train_seconds,
+            "perf/trainer_wait_seconds": self.trainer_wait_seconds,
+            "perf/generator_wait_seconds": self.generator_wait_seconds,
             "perf/tokens_per_second": tokens / self.step_seconds,
             "perf/generated_tokens_per_second": self.generated_tokens()
             / max(self.generate_seconds, 1e-9),
@@ -69,7 +81,9 @@ class StepReporter:
     def report(self, report: StepReport) -> dict[str, float]:
         """Write `report` everywhere; returns the scalars logged."""
         step, batch = report.step, report.batch
-        self.diagnostics.report(step, [*batch.groups, *batch.filtered, *batch.surplus])
+        self.diagnostics.report(
+            step, [*batch.groups, *batch.stale, *batch.filtered, *batch.surplus]
+        )
         write_step_records(self.records_dir, step, batch.groups, filtered=batch.filtered)
         metrics = report.metrics()
         self.diagnostics.report_dropped(

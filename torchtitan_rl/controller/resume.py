@@ -7,13 +7,18 @@ module decides what goes into one and what a resume may change.
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import tomli
 
 from torchtitan_rl.config import Config, to_toml
 from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
+from torchtitan_rl.rollout.rollouter import CollectedBatch
 
+PENDING = "pending_batches.pkl"
+"""Batches generated ahead of the checkpoint's step (rollout.max_staleness >= 1); written and
+read by this process only (it also wrote the manifest that vouches for them)."""
 RESUME_FROZEN = ("model.",)
 """Config keys a resume cannot change: the checkpoint's weights have that model's shape."""
 
@@ -66,13 +71,23 @@ async def restore(trainer, folder: Path, state: ControllerState) -> None:
 
 
 async def save(
-    store: CheckpointStore, trainer, config: Config, step: int, *, capture, export_hf
-) -> Path:
+    store: CheckpointStore, trainer, config: Config, step: int, *, capture, export_hf,
+    pending: dict[int, CollectedBatch] | None = None,
+) -> Path:  # fmt: skip
     """Trainer ranks write their shards, `export_hf(folder)` the Hugging Face copy when the
-    config asks for one, the controller the JSON of `capture()` (taken last, so it holds the
-    RNG states after everything else); then one rename makes it complete."""
+    config asks for one, the controller the batches generated ahead (`pending`, by step) and
+    the JSON of `capture()` (taken last, so it holds the RNG states after everything else);
+    then one rename makes it complete."""
     tmp = store.begin(step)
     await trainer.save_checkpoint.call(str(tmp / "trainer"))
     if config.checkpoint.export_hf:
         await export_hf(tmp / "hf")
+    if pending:
+        (tmp / PENDING).write_bytes(pickle.dumps(pending, protocol=pickle.HIGHEST_PROTOCOL))
     return store.commit(tmp, step, capture(), to_toml(config))
+
+
+def load_pending(folder: Path) -> dict[int, CollectedBatch]:
+    """The batches a checkpoint kept whole: generated ahead by older weights, not trained."""
+    path = folder / PENDING
+    return pickle.loads(path.read_bytes()) if path.is_file() else {}

@@ -47,6 +47,7 @@ def rollout_record(
     return {
         "step": step,
         "group_id": rollout.group_id,
+        "sample_index": group.sample_index,
         "pick": pick,
         "rollout_id": rollout.rollout_id,
         "session_id": rollout.session_id,

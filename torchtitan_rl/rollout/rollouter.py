@@ -17,8 +17,9 @@ import hashlib
 import logging
 import math
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -56,10 +57,13 @@ class CollectedBatch:
     """Sampling rounds it took: 1, plus one per refill round."""
     filtered: list[RolloutGroup]
     surplus: list[RolloutGroup] = field(default_factory=list)
+    stale: list[RolloutGroup] = field(default_factory=list)
+    """Groups taken out of `groups` for a token older than rollout.max_staleness allows."""
 
     def sampled(self) -> list[RolloutGroup]:
         """Every group of the step in sampling order (group ids count in that order)."""
-        return sorted([*self.groups, *self.filtered, *self.surplus], key=lambda g: g.group_id)
+        groups = [*self.groups, *self.stale, *self.filtered, *self.surplus]
+        return sorted(groups, key=lambda g: g.group_id)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,6 +90,21 @@ class RolloutConfig:
     there is (with a warning). A refill round samples the missing groups divided by the share
     kept so far this step (at most 4x), so one refill does the work of several; a step samples
     at most (1 + max_sampling_rounds) * prompts_per_step groups in all."""
+    max_staleness: int = 0
+    """How many policy versions behind the policy being updated a trained token may be
+    (>= 0). 0: synchronous steps (generate, then train, then sync). N >= 1: batches are
+    generated while the trainer trains, up to N // training.minibatches steps ahead (a step
+    moves the policy one version per minibatch); a group with an older token is dropped
+    (counted in rollout/dropped_stale) and its prompt generated again."""
+    ahead: Literal["pipelined", "streaming"] = "pipelined"
+    """How batches run ahead when max_staleness >= 1. "pipelined": batches one after
+    another, new weights sent only between two batches, so each batch comes from one known
+    version and a seeded run replays bit for bit. "streaming": new weights sent right after
+    every optimizer step (in-flight turns pick them up between engine steps) and batches
+    may overlap: faster, not replayable."""
+    batch_timeout_s: float = 1800.0
+    """Seconds a step waits for its batch before the run stops with one line saying what the
+    generators were doing (> 0); a slow or stuck environment ends the run, never hangs it."""
 
     def validate(self) -> None:
         for name in ("group_size", "prompts_per_step", "max_tokens"):
@@ -96,6 +115,10 @@ class RolloutConfig:
                 f"rollout.temperature must be > 0 (training rollouts sample; validation is "
                 f"greedy by itself), got {self.temperature}"
             )
+        if self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        if not self.batch_timeout_s > 0:
+            raise ValueError(f"rollout.batch_timeout_s must be > 0, got {self.batch_timeout_s}")
         if self.max_sampling_rounds < 0:
             raise ValueError(
                 f"rollout.max_sampling_rounds must be >= 0, got {self.max_sampling_rounds}"
@@ -281,7 +304,12 @@ class Rollouter:
         return RolloutGroup(group_id=group_id, rollouts=list(rollouts))
 
     async def collect_batch(
-        self, step: int, next_sample_index: int, generate_fn: GenerateFn
+        self,
+        step: int,
+        next_sample_index: int,
+        generate_fn: GenerateFn,
+        *,
+        draw: Callable[[int], list[int]] | None = None,
     ) -> CollectedBatch:
         """Sample prompts until `prompts_per_step` groups survive filtering.
 
@@ -289,6 +317,8 @@ class Rollouter:
         filtered out (errored rollouts among them are reported, not lost). After
         `max_sampling_rounds` refill rounds, or (1 + max_sampling_rounds) * prompts_per_step
         groups, it warns and returns what it has, which may be fewer groups or none at all.
+        Each round's prompts are `draw(n)` (a PromptLedger's), or the next consecutive
+        indices from `next_sample_index` without one.
         """
         cfg = self._config
         kept: list[RolloutGroup] = []
@@ -306,18 +336,23 @@ class Rollouter:
                 budget - len(sampled),
             )
             first_group = len(sampled)
+            if draw is None:
+                indices, index = list(range(index, index + size)), index + size
+            else:
+                indices = draw(size)
             groups = await asyncio.gather(
                 *(
                     self.run_group_rollouts(
-                        self._environment.train_sample(index + i),
+                        self._environment.train_sample(sample_index),
                         generate_fn,
                         group_id=first_group + i,
                         step=step,
                     )
-                    for i in range(size)
+                    for i, sample_index in enumerate(indices)
                 )
             )
-            index += size
+            for group, sample_index in zip(groups, indices, strict=True):
+                group.sample_index = sample_index
             rounds += 1
             sampled.extend(groups)
             kept.extend(g for g in groups if not cfg.filter_zero_std_groups or group_has_signal(g))

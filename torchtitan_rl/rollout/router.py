@@ -34,6 +34,11 @@ class Router:
             self.sessions[session_id] = index
         return index
 
+    def forget(self, prefix: str) -> None:
+        """Forget the affinities of sessions whose id starts with `prefix` (e.g. "step=3/":
+        a step trained while later steps' sessions are still running)."""
+        self.sessions = {k: v for k, v in self.sessions.items() if not k.startswith(prefix)}
+
     def reset_sessions(self) -> None:
         """Forget every affinity (the controller calls it between steps)."""
         self.sessions.clear()

@@ -42,6 +42,8 @@ class WeightSync:
         self.generators = list(generators)
         self.dtype = dtype
         self.transport = transport
+        self.version: int | None = None
+        """The policy version the last sync delivered (None before the first)."""
 
     @classmethod
     async def create(cls, trainer, generators, dtype: str) -> WeightSync:
@@ -52,11 +54,13 @@ class WeightSync:
         if self.transport is WeightTransport.CUDA_IPC:
             out = await self.trainer.share_weights.call(self.dtype, len(self.generators))
             shared = _rank0(out)
+            self.version = shared.version
             await asyncio.gather(
                 *(g.load_shared_weights.call_one(shared, i) for i, g in enumerate(self.generators))
             )
         else:
             packed = _rank0(await self.trainer.publish_weights.call(self.dtype))
+            self.version = packed.version
             await asyncio.gather(*(g.load_weights.call_one(packed) for g in self.generators))
         return time.perf_counter() - t0
 

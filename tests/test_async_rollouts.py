@@ -1,0 +1,178 @@
+"""Rollouts generated ahead of training (rollout.max_staleness >= 1): the prompt ledger, the
+staleness bound, the pipeline's schedule under forced interleavings, and, through Monarch,
+the bound on every trained token, exact replay and a resume that loses no prompt."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from torchtitan_rl.controller.ahead import BatchTimeout, RolloutPipeline
+from torchtitan_rl.rollout.ledger import PromptLedger
+from torchtitan_rl.rollout.rollouter import CollectedBatch
+from torchtitan_rl.rollout.staleness import split_stale, staleness_metrics
+from torchtitan_rl.types import (
+    Completion,
+    FinishReason,
+    Rollout,
+    RolloutGroup,
+    RolloutStatus,
+    RolloutTurn,
+)
+
+
+# ---- the ledger -------------------------------------------------------------------------
+def test_the_ledger_hands_out_requeued_prompts_first_in_order():
+    ledger = PromptLedger()
+    assert ledger.draw(1, 3) == [0, 1, 2]
+    assert ledger.draw(2, 2) == [3, 4]
+    ledger.requeue([4, 1])
+    assert ledger.draw(3, 3) == [1, 4, 5]
+    assert ledger.settle(3) == [1, 4, 5] and ledger.settle(3) == []
+
+
+def test_a_checkpoint_hands_out_again_what_was_in_flight_but_not_what_it_keeps():
+    ledger = PromptLedger()
+    ledger.draw(1, 2)  # trained
+    ledger.settle(1)
+    ledger.draw(2, 2)  # generated ahead, kept whole by the checkpoint
+    ledger.draw(3, 2)  # in flight
+    ledger.draw(3, 1)  # ... its refill round
+    assert ledger.saved(keep={2}) == (7, [4, 5, 6])
+    resumed = PromptLedger(next_fresh=7, requeued=[4, 5, 6])
+    assert resumed.draw(3, 2) == [4, 5] and resumed.draw(3, 2) == [6, 7]
+
+
+# ---- the staleness bound ----------------------------------------------------------------
+def _rollout(*versions: tuple[int, int], tokens=3, status=RolloutStatus.COMPLETED) -> Rollout:
+    rollout = Rollout(group_id=0, rollout_id=0, session_id="s", sample={}, status=status)
+    for low, high in versions:
+        completion = Completion(
+            request_id="r", token_ids_N=np.zeros(tokens, np.int32),
+            logprobs_N=np.zeros(tokens, np.float32), finish_reason=FinishReason.STOP,
+            policy_version_min=low, policy_version_max=high,
+        )  # fmt: skip
+        rollout.turns.append(
+            RolloutTurn(
+                prompt_ids=np.zeros(1, np.int32),
+                completion=completion,
+                assistant_text="",
+                env_messages=[],
+                reward_signals={},
+            )  # fmt: skip
+        )
+    return rollout
+
+
+def _group(*rollouts, index=0) -> RolloutGroup:
+    return RolloutGroup(group_id=index, rollouts=list(rollouts), sample_index=index)
+
+
+def test_a_group_with_one_token_past_the_bound_is_dropped_whole():
+    fresh = _group(_rollout((4, 5)), _rollout((5, 5), (5, 6)), index=0)
+    mixed = _group(_rollout((5, 5)), _rollout((5, 5), (3, 5)), index=1)  # turn 2 from v3
+    at_bound = _group(_rollout((4, 4)), index=2)
+    kept, stale = split_stale([fresh, mixed, at_bound], version=5, max_staleness=1)
+    assert kept == [fresh, at_bound] and stale == [mixed]
+    kept, stale = split_stale([fresh, mixed, at_bound], version=5, max_staleness=0)
+    assert kept == [] and stale == [fresh, mixed, at_bound]
+
+
+def test_staleness_is_counted_per_generated_token():
+    groups = [
+        _group(_rollout((4, 4), tokens=3), _rollout((5, 5), tokens=1)),
+        _group(_rollout((2, 2), tokens=5, status=RolloutStatus.ERROR_REWARD)),  # not trained
+    ]
+    metrics = staleness_metrics(groups, version=5)
+    assert metrics == {"rollout/staleness/mean": 0.75, "rollout/staleness/max": 1.0}
+
+
+# ---- the pipeline, under forced interleavings ----------------------------------------------
+class _Scripted:
+    """collect(step) that finishes only when the test says so; logs start and end."""
+
+    def __init__(self):
+        self.events, self.release = [], {}
+
+    async def __call__(self, step):
+        self.events.append(("start", step))
+        self.release.setdefault(step, asyncio.Event())
+        await self.release[step].wait()
+        self.events.append(("end", step))
+        return CollectedBatch(groups=[], next_index=0, rounds=1, filtered=[])
+
+    def finish(self, step):
+        self.release.setdefault(step, asyncio.Event()).set()
+
+
+async def _settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_pipelined_batches_run_one_after_another_and_streaming_ones_overlap():
+    async def go(sequential):
+        collect = _Scripted()
+        pipeline = RolloutPipeline(collect, sequential=sequential)
+        pipeline.fill(3)
+        await _settle()
+        started = list(collect.events)
+        collect.finish(2)
+        collect.finish(1)
+        await _settle()
+        collect.finish(3)
+        await pipeline.take(3, 5.0, None)
+        await pipeline.close()
+        return started, collect.events
+
+    started, events = asyncio.run(go(sequential=True))
+    assert started == [("start", 1)]  # 2 waits for 1 even though it was released first
+    assert events == [("start", 1), ("end", 1), ("start", 2), ("end", 2), ("start", 3), ("end", 3)]
+    started, events = asyncio.run(go(sequential=False))
+    assert started == [("start", 1), ("start", 2), ("start", 3)]
+    assert events[3:] == [("end", 2), ("end", 1), ("end", 3)]
+
+
+def test_a_batch_that_never_comes_ends_the_wait_with_what_the_generators_do():
+    async def go():
+        collect = _Scripted()
+        pipeline = RolloutPipeline(collect, sequential=True)
+        pipeline.fill(1)
+
+        async def describe():
+            return "generator: 3 requests in flight"
+
+        with pytest.raises(
+            BatchTimeout,
+            match=r"^no batch for RL step 1 after 0.05 s "
+            r"\(rollout.batch_timeout_s\): generator: 3 requests in flight$",
+        ):
+            await pipeline.take(1, 0.05, describe)
+        await pipeline.close()
+
+    asyncio.run(go())
+
+
+def test_finished_batches_are_what_a_checkpoint_keeps_and_idle_time_is_counted():
+    async def go():
+        collect = _Scripted()
+        pipeline = RolloutPipeline(collect, sequential=True)
+        pipeline.idle_seconds()
+        pipeline.fill(2)
+        collect.finish(1)
+        await _settle()
+        assert sorted(pipeline.finished()) == [1]  # 2 is in flight
+        await asyncio.sleep(0.02)
+        assert pipeline.idle_seconds() < 0.01  # batch 2 kept the generators busy
+        collect.finish(2)
+        await pipeline.wait_done(2)
+        await asyncio.sleep(0.05)
+        assert pipeline.idle_seconds() >= 0.04
+        restored = RolloutPipeline(collect, sequential=True)
+        restored.restore(pipeline.finished())
+        assert sorted(restored.done) == [1, 2] and restored.last_started == 2
+        restored.fill(2)  # nothing left to start
+        assert restored.tasks == {}
+        await pipeline.close()
+
+    asyncio.run(go())
