@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from torchtitan_rl.checks import check_range
 from torchtitan_rl.reductions import Metric
 
 LOG_RATIO_CLAMP = 20.0
@@ -59,16 +60,18 @@ class LossConfig:
     clip_low: float = 0.2
     """Lower clip: ratios below 1 - clip_low stop pushing down (grpo family); in [0, 1)."""
     clip_high: float = 0.2
-    """Upper clip: ratios above 1 + clip_high stop pushing up; DAPO wants more, e.g. 0.28."""
+    """Upper clip: ratios above 1 + clip_high stop pushing up, finite and >= 0; DAPO wants
+    more, e.g. 0.28."""
     aggregation: str = "token_mean"
     """token_mean | seq_mean_token_mean | seq_mean_token_sum; dapo and dr_grpo fix their own."""
     dr_grpo_normalizer: float = 1024.0
-    """dr_grpo only: constant per-sequence denominator, in tokens (usually the max length)."""
+    """dr_grpo only: constant per-sequence denominator, in tokens (usually the max length),
+    finite and > 0."""
     entropy_coef: float = 0.0
-    """Weight of the entropy bonus (subtracted from the loss); 0 disables."""
+    """Weight of the entropy bonus (subtracted from the loss), finite and >= 0; 0 disables."""
     kl_coef: float = 0.0
-    """Weight of the KL penalty to a frozen reference policy; 0 disables (and keeps no
-    reference in memory)."""
+    """Weight of the KL penalty to a frozen reference policy, finite and >= 0; 0 disables
+    (and keeps no reference in memory)."""
     kl_estimator: str = "k3"
     """k1: logp - ref | k2: (logp - ref)^2 / 2 | k3: exp(ref - logp) - (ref - logp) - 1
     (non-negative, lower variance)."""
@@ -92,22 +95,16 @@ class LossConfig:
                 f"loss.aggregation={self.aggregation!r} has no effect with loss.name="
                 f"{self.name!r}, which always aggregates as {fixed!r}; leave it at 'token_mean'"
             )
-        if not 0 <= self.clip_low < 1:
-            raise ValueError(f"loss.clip_low must be in [0, 1), got {self.clip_low}")
-        if self.clip_high < 0:
-            raise ValueError(f"loss.clip_high must be >= 0, got {self.clip_high}")
+        check_range("loss.clip_low", self.clip_low, ge=0, lt=1)
+        check_range("loss.clip_high", self.clip_high, ge=0)
         if self.name == "dapo" and self.clip_high <= self.clip_low:
             raise ValueError(
                 f"loss.clip_high must exceed loss.clip_low for dapo (e.g. 0.28 vs 0.2), "
                 f"got {self.clip_high} <= {self.clip_low}"
             )
-        if self.dr_grpo_normalizer <= 0:
-            raise ValueError(f"loss.dr_grpo_normalizer must be > 0, got {self.dr_grpo_normalizer}")
-        if self.entropy_coef < 0 or self.kl_coef < 0:
-            raise ValueError(
-                f"loss.entropy_coef and loss.kl_coef must be >= 0, got "
-                f"{self.entropy_coef} and {self.kl_coef}"
-            )
+        check_range("loss.dr_grpo_normalizer", self.dr_grpo_normalizer, gt=0)
+        check_range("loss.entropy_coef", self.entropy_coef, ge=0)
+        check_range("loss.kl_coef", self.kl_coef, ge=0)
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(
                 f"loss.old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}"

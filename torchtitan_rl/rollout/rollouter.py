@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from torchtitan_rl.checks import check_range
 from torchtitan_rl.rollout.advantages import group_has_signal
 from torchtitan_rl.rollout.token_env import TokenEnv, TokenEnvError
 from torchtitan_rl.types import (
@@ -63,11 +64,12 @@ class RolloutConfig:
     """TOML section [rollout]."""
 
     group_size: int = 8
-    """Sibling rollouts per prompt (>= 1; >= 2 for a group-relative advantage to be nonzero)."""
+    """Sibling rollouts per prompt, >= 2 when training.steps > 0 (a group-relative advantage
+    needs siblings); 1 is allowed only with training.steps = 0 (validation only)."""
     prompts_per_step: int = 8
     """Groups (prompts) trained on per step (>= 1)."""
     temperature: float = 1.0
-    """Sampling temperature of training rollouts, > 0: the loss needs the log-probs of the
+    """Sampling temperature of training rollouts, finite and > 0: the loss needs the log-probs of the
     distribution that sampled (validation decodes greedily on its own)."""
     top_p: float = 1.0
     """Nucleus mass kept, in (0, 1]; 1 disables."""
@@ -85,17 +87,13 @@ class RolloutConfig:
 
     def validate(self) -> None:
         for name in ("group_size", "prompts_per_step", "max_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.temperature > 0:
+            check_range(f"rollout.{name}", getattr(self, name), ge=1)
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(
-                f"rollout.temperature must be > 0 (training rollouts sample; validation is "
-                f"greedy by itself), got {self.temperature}"
+                f"rollout.temperature must be finite and > 0 (training rollouts sample; "
+                f"validation is greedy by itself), got {self.temperature}"
             )
-        if self.max_sampling_rounds < 0:
-            raise ValueError(
-                f"rollout.max_sampling_rounds must be >= 0, got {self.max_sampling_rounds}"
-            )
+        check_range("rollout.max_sampling_rounds", self.max_sampling_rounds, ge=0)
         try:
             self.sampling_params(seed=0, max_tokens=self.max_tokens, stop_token_ids=()).validate()
         except ValueError as e:  # SamplingParams names the field; say which section it is in
