@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from torchtitan_rl.checks import check_range
+from torchtitan_rl.models.hf_folder import check_hf_folder
 from torchtitan_rl.reductions import Metric
 
 LOG_RATIO_CLAMP = 20.0
@@ -76,8 +77,9 @@ class LossConfig:
     """k1: logp - ref | k2: (logp - ref)^2 / 2 | k3: exp(ref - logp) - (ref - logp) - 1
     (non-negative, lower variance)."""
     kl_reference: str = ""
-    """Hugging Face folder of the reference policy; "" uses the policy as RL starts (after the
-    warm start). Only with kl_coef > 0."""
+    """Hugging Face folder of the reference policy (config.json and *.safetensors, checked
+    when the config loads); "" uses the policy as RL starts (after the warm start). Only with
+    kl_coef > 0."""
     old_logprobs: str = "recompute"
     """pi_old of the PPO ratio: "recompute" (one no-grad trainer forward per step, before the
     first update) | "generator" (the generator's log-probs mu; no extra forward)."""
@@ -113,6 +115,8 @@ class LossConfig:
             raise ValueError(
                 f"loss.kl_reference={self.kl_reference!r} is only used with loss.kl_coef > 0"
             )
+        if self.kl_reference:
+            check_hf_folder("loss.kl_reference", self.kl_reference, tokenizer=False)
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
                 f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}"
