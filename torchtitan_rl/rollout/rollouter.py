@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from torchtitan_rl.checks import check_range
+from torchtitan_rl.envs.base import draw_train_sample
 from torchtitan_rl.rollout.advantages import group_has_signal
 from torchtitan_rl.rollout.token_env import TokenEnv, TokenEnvError
 from torchtitan_rl.types import (
@@ -280,7 +281,8 @@ class Rollouter:
         """Sample prompts until `prompts_per_step` groups survive filtering.
 
         Returns the kept groups, the next unused sample index, metrics and the groups
-        filtered out (errored rollouts among them are reported, not lost). After
+        filtered out (errored rollouts among them are reported, not lost). An environment
+        that cannot give a sample raises SampleError (envs/base.py): that ends the run. After
         `max_sampling_rounds` refill rounds, or (1 + max_sampling_rounds) * prompts_per_step
         groups, it warns and returns what it has, which may be fewer groups or none at all.
         """
@@ -300,15 +302,14 @@ class Rollouter:
                 budget - len(sampled),
             )
             first_group = len(sampled)
+            # every sample before any coroutine exists: a failing one leaves none unawaited
+            samples = [draw_train_sample(self._environment, index + i) for i in range(size)]
             groups = await asyncio.gather(
                 *(
                     self.run_group_rollouts(
-                        self._environment.train_sample(index + i),
-                        generate_fn,
-                        group_id=first_group + i,
-                        step=step,
+                        sample, generate_fn, group_id=first_group + i, step=step
                     )
-                    for i in range(size)
+                    for i, sample in enumerate(samples)
                 )
             )
             index += size
