@@ -16,7 +16,13 @@ from fakes import (
 )
 
 from torchtitan_rl.envs.base import EnvConfig, SampleError
-from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter, refill_size, request_seed
+from torchtitan_rl.rollout.rollouter import (
+    REWARD_BOUND,
+    RolloutConfig,
+    Rollouter,
+    refill_size,
+    request_seed,
+)
 from torchtitan_rl.types import RolloutStatus
 
 
@@ -133,15 +139,32 @@ def test_slow_env_is_error_timeout():
     assert {r.status for r in group.rollouts} == {RolloutStatus.ERROR_TIMEOUT}
 
 
-@pytest.mark.parametrize("reward_fn", [lambda r: 1 / 0, lambda r: float("nan")])
-def test_raising_or_nonfinite_reward_is_error_reward(reward_fn):
+@pytest.mark.parametrize(
+    "reward_fn, error",
+    [
+        (lambda r: 1 / 0, "ZeroDivisionError"),
+        (lambda r: float("nan"), "non-finite reward nan from rubric function 'reward'"),
+        (lambda r: -1e308, "reward -1e+308 from rubric function 'reward' is beyond REWARD_BOUND"),
+    ],
+)
+def test_raising_nonfinite_or_huge_reward_is_error_reward(reward_fn, error):
     rollouter = make_rollouter(lambda s: ScriptedEnv([done()]), reward_fn)
     group = asyncio.run(
         rollouter.run_group_rollouts({"index": 0}, always("ok"), group_id=0, step=0)
     )
     for rollout in group.rollouts:
-        assert rollout.status is RolloutStatus.ERROR_REWARD
+        assert rollout.status is RolloutStatus.ERROR_REWARD and error in rollout.error
         assert rollout.reward == 0.0
+
+
+def test_a_huge_reward_leaves_the_reward_mean_finite():
+    def reward(rollout):  # one rollout of each group scores 1e308, the others the bound
+        return 1e308 if rollout.rollout_id == 0 else REWARD_BOUND * rollout.rollout_id / 3
+
+    rollouter = make_rollouter(lambda s: ScriptedEnv([done()]), reward, prompts_per_step=1)
+    metrics = asyncio.run(rollouter.collect_batch(0, 0, always("ok"))).metrics
+    assert metrics["rollout/status/error_reward"] == 0.25
+    assert metrics["rollout_reward/mean"] == pytest.approx(REWARD_BOUND * 2 / 3)
 
 
 def test_zero_spread_groups_are_filtered_and_refilled():

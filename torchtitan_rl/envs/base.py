@@ -86,7 +86,8 @@ class Rubric:
     """A weighted sum of named reward functions.
 
     A raising function propagates: the caller marks the rollout ERROR_REWARD rather than
-    training on a made-up score.
+    training on a made-up score. So does a value, or weighted sum, that is not finite or
+    beyond +-1e6 (`rollout.rollouter.REWARD_BOUND`).
     """
 
     def __init__(self, funcs: Sequence[tuple[str, RewardFn, float]]):

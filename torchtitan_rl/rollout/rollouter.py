@@ -7,7 +7,8 @@ Naming (stable, so a router can keep a rollout's turns on one generator and runs
 
 Group ids number the groups of one step in sampling order (0, 1, ...), across refill rounds.
 A rollout that ends in an error status keeps reward 0.0 and advantage 0.0 but is flagged by
-its status; it is counted in metrics and never trained on.
+its status; it is counted in metrics and never trained on. A reward that is not finite or
+is beyond +-REWARD_BOUND (1e6) is such an error (ERROR_REWARD).
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1  # seeds fit a signed int64 (torch.Generator.manual_seed)
+REWARD_BOUND = 1e6
+"""Largest |reward| a rollout may score (each rubric function and their weighted sum); past
+it the rollout is ERROR_REWARD, like a NaN. Rewards are O(1) in every recipe, so a score
+this large is taken for a bug in the reward function; the bound also keeps every mean
+over rollouts finite (a reward of 1e308 made the step's mean overflow to inf)."""
 REFILL_MAX_FACTOR = 4
 """A refill round samples at most this many times the groups still missing."""
 
@@ -245,8 +251,9 @@ class Rollouter:
         except Exception as e:  # a failing reward fn marks the rollout, never a silent 0
             _fail(rollout, RolloutStatus.ERROR_REWARD, _describe(e), traceback.format_exc())
             return
-        if not math.isfinite(reward):
-            _fail(rollout, RolloutStatus.ERROR_REWARD, f"non-finite reward {reward!r}")
+        error = _reward_error(reward, breakdown)
+        if error is not None:
+            _fail(rollout, RolloutStatus.ERROR_REWARD, error)
             return
         rollout.reward = float(reward)
         rollout.reward_breakdown = {k: float(v) for k, v in breakdown.items()}
@@ -344,6 +351,18 @@ def refill_size(need: int, sampled: int, kept: int) -> int:
     if REFILL_MAX_FACTOR * kept < sampled:
         return REFILL_MAX_FACTOR * need
     return -(-need * sampled // kept)  # ceil(need * sampled / kept) in integers
+
+
+def _reward_error(reward: float, breakdown: dict[str, float]) -> str | None:
+    """Why a score may not be trained on (None if it may): each rubric function's value and
+    their weighted sum must be finite and within +-REWARD_BOUND."""
+    for what, value in [*((f"rubric function {k!r}", v) for k, v in breakdown.items()),
+                        ("the weighted sum", reward)]:  # fmt: skip
+        if not math.isfinite(value):
+            return f"non-finite reward {value!r} from {what}"
+        if abs(value) > REWARD_BOUND:
+            return f"reward {value!r} from {what} is beyond REWARD_BOUND = {REWARD_BOUND:g}"
+    return None
 
 
 def _describe(e: BaseException) -> str:
