@@ -3,7 +3,7 @@
 Three policies (DESIGN.md): pi_theta is being trained, pi_old is the trainer's policy when
 the batch was made, mu is the generator that sampled. `old_logprobs_N` is pi_old: recomputed
 by the trainer (`loss.old_logprobs = "recompute"`) or mu itself ("generator"). Per token t
-of sequence i, with r_t = exp(logp_t - old_logp_t) and advantage A_t:
+of sequence i, with r_t = exp(cap(logp_t - old_logp_t)) and advantage A_t:
 
     grpo / dapo / dr_grpo:  -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)
     gspo:   the same on s_t = sg[s_i] * exp(logp_t - sg[logp_t]), s_i = exp(mean_t log r_t)
@@ -26,8 +26,12 @@ aggregation), 1[.] the not-clipped indicator of the min above:
                               mode; the ratio is applied once, by w
     gspo:                     g_t = -w_t A_t s_i 1[.]
     cispo:                    g_t = -w_t A_t sg[min(r_t, 1 + clip_high)]
-KL_t with d_t = ref_logp_t - logp_t (an estimate of KL(pi_theta || ref) from samples):
+KL_t with d_t = cap(ref_logp_t - logp_t) (an estimate of KL(pi_theta || ref) from samples):
     k1: -d_t (g = 1) | k2: d_t^2 / 2 (g = -d_t) | k3: exp(d_t) - d_t - 1 (g = 1 - exp(d_t))
+cap(x) is x clamped to +-LOG_RATIO_CLAMP (20) in value with d cap(x) / dx = 1 everywhere
+(straight-through), so every formula above holds as written past the bound: a token at
+log-ratio 20.1 gets the coefficient of one at 20 (-A_t e^20 for grpo, 1 - e^20 for k3),
+the gradient is capped there, never cut to 0.
 
 Shape suffixes: N = loss tokens of this microbatch, S = sequences of the whole step.
 """
@@ -45,7 +49,8 @@ from torchtitan_rl.models.hf_folder import check_hf_folder
 from torchtitan_rl.reductions import Metric
 
 LOG_RATIO_CLAMP = 20.0
-"""Bound on |log-ratio| before exp: exp(20) ~ 5e8 is finite in fp32, exp(89) is not."""
+"""Bound on |log-ratio| before exp: exp(20) ~ 5e8 is finite in fp32, exp(89) is not. It caps
+the value only (`capped`): the gradient past it is the gradient at it."""
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -128,7 +133,7 @@ class _Tokens:
     """Sanitised per-token inputs: every field is finite, 0 where `valid_N` is False."""
 
     logprobs_N: Tensor
-    log_ratio_N: Tensor  # clamped to +-LOG_RATIO_CLAMP
+    log_ratio_N: Tensor  # capped to +-LOG_RATIO_CLAMP (value only, see `capped`)
     advantages_N: Tensor
     sequence_ids_N: Tensor
     valid_N: Tensor  # bool
@@ -283,7 +288,7 @@ def _sanitise(
 ) -> _Tokens:
     logprobs_N = _masked(logprobs_N, valid_N)
     old_logprobs_N = _masked(old_logprobs_N.detach(), valid_N)
-    log_ratio_N = (logprobs_N - old_logprobs_N).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio_N = capped(logprobs_N - old_logprobs_N)
     sequence_ids_N = sequence_ids_N.long()
     valid_f_N = valid_N.to(logprobs_N.dtype)
     count_S = valid_f_N.new_zeros(num_sequences).index_add(0, sequence_ids_N, valid_f_N)
@@ -297,9 +302,19 @@ def _sanitise(
     )
 
 
+def capped(log_ratio_N: Tensor) -> Tensor:
+    """`log_ratio_N` clamped to +-LOG_RATIO_CLAMP in value, with gradient 1 everywhere
+    (straight-through): exp of it keeps, past the bound, the gradient it has at the bound.
+    The clamped value is exact (x - sg[x] is exactly 0 for finite x); callers pass finite
+    values only."""
+    return log_ratio_N.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) + (
+        log_ratio_N - log_ratio_N.detach()
+    )
+
+
 def _kl(tokens: _Tokens, ref_logprobs_N: Tensor, estimator: str) -> Tensor:
     """Per-token estimate of KL(policy || reference) from samples of the policy."""
-    log_ref_ratio_N = (ref_logprobs_N - tokens.logprobs_N).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ref_ratio_N = capped(ref_logprobs_N - tokens.logprobs_N)
     if estimator == "k1":
         kl_N = -log_ref_ratio_N
     elif estimator == "k2":
