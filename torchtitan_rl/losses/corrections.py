@@ -25,7 +25,10 @@ Where pi_old comes from (`loss.old_logprobs`):
   or mask with keep_weight) then switches the surrogate to REINFORCE with the detached
   truncated/masked ratio (verl's bypass mode, `policy_loss(bypass=True)`), so the ratio is
   applied once; pure rejection (mask, keep_weight = false) keeps the PPO surrogate.
-`check_objective` rejects the combinations that have no sound meaning.
+`check_objective` rejects the combinations that have no sound meaning: the ones above, and
+GSPO with a token-level weight (GSPO's ratio is one per sequence; with a sequence or
+geometric weight, constant over the sequence, its token form and TRL's sequence form give
+the same per-token gradients, tests/test_gspo_correction.py).
 
 Shape suffixes: N = loss tokens of this microbatch, S = sequences of the whole step.
 """
@@ -113,6 +116,14 @@ def check_objective(loss: LossConfig, correction: CorrectionConfig) -> None:
             f"corrected ratio pi/mu, which loss.name={loss.name!r} cannot take (it has its own "
             f"ratio); use loss.old_logprobs='recompute', loss.name in {BYPASS_LOSSES}, or "
             "correction.action='mask' with correction.keep_weight=false"
+        )
+    if loss.name == "gspo" and correction.level == "token":
+        raise ValueError(
+            "correction.level='token' with loss.name='gspo': GSPO has one ratio per "
+            "sequence, so a weight per token has no single meaning there (TRL spreads each "
+            "token's weight over its sequence, the token form keeps it on its token; their "
+            "per-token gradients differ); use correction.level='geometric' (length-normalised "
+            "like GSPO's ratio) or 'sequence'"
         )
 
 

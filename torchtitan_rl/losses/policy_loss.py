@@ -24,7 +24,9 @@ aggregation), 1[.] the not-clipped indicator of the min above:
     generator, bypass:        g_t = -w_t A_t, w_t the truncated/masked pi_theta / mu
                               (token, sequence or geometric level), detached: verl's bypass
                               mode; the ratio is applied once, by w
-    gspo:                     g_t = -w_t A_t s_i 1[.]
+    gspo:                     g_t = -w_t A_t s_i 1[.], w_t constant over sequence i
+                              (sequence or geometric level; token level is refused), so
+                              the same as differentiating s_i through every token (TRL)
     cispo:                    g_t = -w_t A_t sg[min(r_t, 1 + clip_high)]
 KL_t with d_t = cap(ref_logp_t - logp_t) (an estimate of KL(pi_theta || ref) from samples):
     k1: -d_t (g = 1) | k2: d_t^2 / 2 (g = -d_t) | k3: exp(d_t) - d_t - 1 (g = 1 - exp(d_t))
