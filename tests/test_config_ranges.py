@@ -78,3 +78,13 @@ def test_check_range_describes_open_and_closed_bounds():
         check_range("x", 2, lt=2)
     check_range("x", float("inf"), gt=0, allow_inf=True)
     check_range("x", 1, ge=1, le=1)
+
+
+def test_help_states_the_group_size_validation_requires():
+    from torchtitan_rl.config import Config, help_text
+
+    assert "Sibling rollouts per prompt, >= 2 when training.steps > 0" in help_text(Config())
+    with pytest.raises(ConfigError, match=r"use rollout.group_size >= 2"):
+        load_config(TINY, ["--rollout.group_size=1"])
+    overrides = ["--rollout.group_size=1", "--training.steps=0"]
+    assert load_config(TINY, overrides).rollout.group_size == 1
