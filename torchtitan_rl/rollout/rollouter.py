@@ -356,8 +356,9 @@ def refill_size(need: int, sampled: int, kept: int) -> int:
 def _reward_error(reward: float, breakdown: dict[str, float]) -> str | None:
     """Why a score may not be trained on (None if it may): each rubric function's value and
     their weighted sum must be finite and within +-REWARD_BOUND."""
-    for what, value in [*((f"rubric function {k!r}", v) for k, v in breakdown.items()),
-                        ("the weighted sum", reward)]:  # fmt: skip
+    scores = {f"rubric function {k!r}": v for k, v in breakdown.items()}
+    scores["the weighted sum"] = reward
+    for what, value in scores.items():
         if not math.isfinite(value):
             return f"non-finite reward {value!r} from {what}"
         if abs(value) > REWARD_BOUND:
