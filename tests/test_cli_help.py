@@ -53,7 +53,7 @@ def test_help_gives_type_default_and_docstring(flag, monkeypatch, capsys):
     assert rc == 0
     lines = out.splitlines()
     at = lines.index("  training.lr (float) = 0.0004")
-    assert lines[at + 1].strip() == "AdamW learning rate after warmup."
+    assert lines[at + 1].strip() == "AdamW learning rate after warmup, finite and > 0."
     assert all(len(line) <= 100 for line in lines)  # long docstrings are wrapped
 
 

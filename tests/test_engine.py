@@ -162,6 +162,7 @@ def test_invalid_requests_return_error_completions_while_others_succeed():
         "two_dims": (prompt(4).reshape(2, 2), GREEDY),
         "bad_top_p": (prompt(4), SamplingParams(top_p=0.0)),
         "bad_max_tokens": (prompt(4), SamplingParams(max_tokens=0)),
+        "nan_temperature": (prompt(4), SamplingParams(temperature=float("nan"))),
     }
 
     async def main():
@@ -180,6 +181,7 @@ def test_invalid_requests_return_error_completions_while_others_succeed():
         assert c.request_id == name and c.finish_reason == FinishReason.ERROR
         assert c.error and c.num_tokens == 0
     assert "[1, 47]" in errs[0].error and "top_p" in errs[4].error
+    assert errs[6].error == "sampling: temperature must be finite and >= 0, got nan"
 
 
 def test_load_weights_mid_run_changes_later_logprobs_and_reports_version_range():

@@ -157,10 +157,10 @@ def test_nonfinite_generator_logprob_leaves_the_loss_in_recompute_mode():
 
 
 def test_combinations_without_a_sound_meaning_are_rejected():
-    truncate = CorrectionConfig(level="token", action="truncate")
-    for name in ("gspo", "cispo"):
+    for name, level in (("gspo", "geometric"), ("cispo", "token")):
+        truncate = CorrectionConfig(level=level, action="truncate")
         with pytest.raises(ValueError, match="loss.old_logprobs"):
             check_objective(LossConfig(name=name, old_logprobs="generator"), truncate)
         check_objective(LossConfig(name=name, old_logprobs="recompute"), truncate)
-        rejection = CorrectionConfig(level="token", action="mask", keep_weight=False)
+        rejection = CorrectionConfig(level=level, action="mask", keep_weight=False)
         check_objective(LossConfig(name=name, old_logprobs="generator"), rejection)

@@ -1,4 +1,5 @@
 import asyncio
+import gc
 import logging
 import math
 
@@ -15,14 +16,22 @@ from fakes import (
 )
 
 from torchtitan_rl.controller.metrics import batch_metrics
-from torchtitan_rl.envs.base import EnvConfig
-from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter, refill_size, request_seed
+from torchtitan_rl.envs.base import EnvConfig, SampleError
+from torchtitan_rl.rollout.rollouter import (
+    REWARD_BOUND,
+    RolloutConfig,
+    Rollouter,
+    refill_size,
+    request_seed,
+)
 from torchtitan_rl.types import RolloutStatus
 
 
-def make_rollouter(make_env_fn, reward_fn, *, env=None, seed=0, **config):
+def make_rollouter(
+    make_env_fn, reward_fn, *, env=None, seed=0, environment=FakeEnvironment, **config
+):
     env_config = env or EnvConfig(max_turns=4, max_rollout_tokens=1000, step_timeout_s=5.0)
-    environment = FakeEnvironment(make_env_fn, reward_fn, config=env_config)
+    environment = environment(make_env_fn, reward_fn, config=env_config)
     rollout_config = RolloutConfig(**{"group_size": 4, "prompts_per_step": 2, **config})
     return Rollouter(environment, FakeRenderer(), env_config, rollout_config, seed=seed)
 
@@ -131,15 +140,32 @@ def test_slow_env_is_error_timeout():
     assert {r.status for r in group.rollouts} == {RolloutStatus.ERROR_TIMEOUT}
 
 
-@pytest.mark.parametrize("reward_fn", [lambda r: 1 / 0, lambda r: float("nan")])
-def test_raising_or_nonfinite_reward_is_error_reward(reward_fn):
+@pytest.mark.parametrize(
+    "reward_fn, error",
+    [
+        (lambda r: 1 / 0, "ZeroDivisionError"),
+        (lambda r: float("nan"), "non-finite reward nan from rubric function 'reward'"),
+        (lambda r: -1e308, "reward -1e+308 from rubric function 'reward' is beyond REWARD_BOUND"),
+    ],
+)
+def test_raising_nonfinite_or_huge_reward_is_error_reward(reward_fn, error):
     rollouter = make_rollouter(lambda s: ScriptedEnv([done()]), reward_fn)
     group = asyncio.run(
         rollouter.run_group_rollouts({"index": 0}, always("ok"), group_id=0, step=0)
     )
     for rollout in group.rollouts:
-        assert rollout.status is RolloutStatus.ERROR_REWARD
+        assert rollout.status is RolloutStatus.ERROR_REWARD and error in rollout.error
         assert rollout.reward == 0.0
+
+
+def test_a_huge_reward_leaves_the_reward_mean_finite():
+    def reward(rollout):  # one rollout of each group scores 1e308, the others the bound
+        return 1e308 if rollout.rollout_id == 0 else REWARD_BOUND * rollout.rollout_id / 3
+
+    rollouter = make_rollouter(lambda s: ScriptedEnv([done()]), reward, prompts_per_step=1)
+    metrics = batch_metrics(asyncio.run(rollouter.collect_batch(0, 0, always("ok"))))
+    assert metrics["rollout/status/error_reward"] == 0.25
+    assert metrics["rollout_reward/mean"] == pytest.approx(REWARD_BOUND * 2 / 3)
 
 
 def test_zero_spread_groups_are_filtered_and_refilled():
@@ -244,3 +270,43 @@ def test_first_prompt_over_token_budget_is_a_config_error_naming_the_field():
     rollouter = make_rollouter(lambda s: ScriptedEnv([done()]), by_rollout_id, env=env)
     with pytest.raises(ValueError, match="env.max_rollout_tokens"):
         asyncio.run(rollouter.run_group_rollouts({"index": 0}, always("ok"), group_id=0, step=0))
+
+
+@pytest.mark.parametrize(
+    "mistake, error",
+    [
+        (lambda: ScriptedEnv([None]), "ScriptedEnv.step (turn 0) returned None"),
+        (lambda: ScriptedEnv([done()], first="\ud800"), "ScriptedEnv.init: message 0 content"),
+    ],
+)
+def test_an_env_mistake_errors_its_rollouts_and_the_batch_goes_on(mistake, error):
+    def make_env(sample):
+        return mistake() if sample["index"] == 1 else ScriptedEnv([done()])
+
+    rollouter = make_rollouter(make_env, by_rollout_id, prompts_per_step=3)
+    batch = asyncio.run(rollouter.collect_batch(0, 0, always("ok")))
+    assert [g.rollouts[0].sample["index"] for g in batch.groups] == [0, 2, 3]
+    errored = [r for g in batch.filtered for r in g.rollouts]
+    assert {r.status for r in errored} == {RolloutStatus.ERROR_ENV}
+    assert all(r.error.startswith(error) for r in errored)
+
+
+class ShortDataset(FakeEnvironment):
+    def train_sample(self, index):
+        if index >= 4:
+            raise IndexError(f"dataset exhausted at {index}")
+        return super().train_sample(index)
+
+
+def test_a_train_sample_that_raises_names_env_method_and_index_and_leaves_no_coroutine(recwarn):
+    rollouter = make_rollouter(
+        lambda s: ScriptedEnv([done()]), by_rollout_id, environment=ShortDataset, prompts_per_step=3
+    )
+    with pytest.raises(SampleError) as info:
+        asyncio.run(rollouter.collect_batch(0, 3, always("ok")))
+    assert (
+        str(info.value) == "ShortDataset.train_sample(4) raised IndexError: dataset exhausted at 4"
+    )
+    del info
+    gc.collect()
+    assert [str(w.message) for w in recwarn if "never awaited" in str(w.message)] == []

@@ -133,3 +133,36 @@ def test_init_failure_raises_token_env_error_with_status():
     with pytest.raises(TokenEnvError) as info:
         run(go())
     assert info.value.status is RolloutStatus.ERROR_ENV
+
+
+@pytest.mark.parametrize(
+    "result, error",
+    [
+        (None, "ScriptedEnv.step (turn 1) returned None; it must return a StepResult"),
+        (
+            reply("ok \ud800!"),
+            "ScriptedEnv.step (turn 1): message 0 content has a lone surrogate '\\ud800' at "
+            "index 3, which UTF-8 cannot encode",
+        ),
+    ],
+)
+def test_a_step_result_the_env_got_wrong_is_error_env_naming_env_method_and_index(result, error):
+    async def go():
+        env = make_env([reply("again"), result])
+        await env.reset()
+        await env.step(make_completion([65, IM_END]))
+        return await env.step(make_completion([66, IM_END]))
+
+    step = run(go())
+    assert step.done and step.status is RolloutStatus.ERROR_ENV
+    assert step.error == error and step.assistant_text == "B"
+
+
+def test_a_lone_surrogate_in_the_first_prompt_is_error_env_at_reset():
+    with pytest.raises(TokenEnvError) as info:
+        run(make_env([], first="hi \udc80").reset())
+    assert info.value.status is RolloutStatus.ERROR_ENV
+    assert str(info.value) == (
+        "ScriptedEnv.init: message 0 content has a lone surrogate '\\udc80' at index 3, "
+        "which UTF-8 cannot encode"
+    )

@@ -131,8 +131,16 @@ def test_a_skipped_step_leaves_the_learning_rate_schedule_where_it_was():
     bad[0].advantages_L[bad[0].loss_mask_L] = math.inf  # non-finite loss and gradient
     out = core.train_step([_batch(bad)], 1.0)
     assert out["trainer/skipped_steps"] == 1 and out["trainer/lr"] == lr0
-    out = core.train_step([_batch(_episodes(9))], 1.0)
-    assert out["trainer/skipped_steps"] == 1 and out["trainer/lr"] > lr0
+    out = core.train_step([_batch(_episodes(9))], 1.0)  # runs with the first step's lr
+    assert out["trainer/skipped_steps"] == 1 and out["trainer/lr"] == lr0
+    assert core.train_step([_batch(_episodes(10))], 1.0)["trainer/lr"] > lr0
+
+
+def test_trainer_lr_is_the_learning_rate_the_update_used():
+    """4 warmup steps at lr 1e-3: the first update runs at 2e-4 (what moved the weights)."""
+    core = _core(lr=1e-3, warmup_steps=4)
+    logged = [core.train_step([_batch(_episodes(30 + i))], 1.0)["trainer/lr"] for i in range(3)]
+    assert logged == pytest.approx([2e-4, 4e-4, 6e-4], rel=1e-12)
 
 
 def test_lr_decay_to_ends_the_run_at_that_fraction_of_lr_by_cosine():

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from torchtitan_rl.checks import check_range
+
 Message = dict[str, str]
 """One chat message: {"role": "system" | "user" | "assistant", "content": str}."""
 
@@ -47,6 +49,7 @@ class SamplingParams:
     """Per-request sampling. temperature == 0 means greedy."""
 
     temperature: float = 1.0
+    """Finite and >= 0."""
     top_p: float = 1.0
     """Nucleus mass kept, in (0, 1]; 1 disables."""
     top_k: int = 0
@@ -59,14 +62,10 @@ class SamplingParams:
     """Record the token ids kept by top-p/top-k at each position (for mask replay)."""
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        check_range("temperature", self.temperature, ge=0)
+        check_range("top_p", self.top_p, gt=0, le=1)
+        check_range("top_k", self.top_k, ge=0)
+        check_range("max_tokens", self.max_tokens, ge=1)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from torchtitan_rl.checks import check_range
 from torchtitan_rl.device import DTYPE_NAMES, DtypeName
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -113,6 +114,7 @@ class ValidationConfig:
             raise ValueError(f"validation.interval must be >= 0, got {self.interval}")
         if self.num_samples < 1:
             raise ValueError(f"validation.num_samples must be >= 1, got {self.num_samples}")
+        check_range("validation.max_tokens", self.max_tokens, ge=1)
 
 
 @dataclass(kw_only=True, slots=True)

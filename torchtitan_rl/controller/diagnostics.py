@@ -88,9 +88,18 @@ class StepDiagnostics:
             )  # fmt: skip
 
     def _log_tracebacks(self, step: int, errored: list[Rollout]) -> None:
+        """One entry per distinct error of the step (its status and where it was raised):
+        the first rollout's traceback and how many rollouts it hit."""
+        first: dict[tuple, Rollout] = {}
+        counts: Counter = Counter()
+        for r in errored:
+            frames = (r.error_details or "").rstrip().splitlines()[:-1]  # not the message
+            key = (r.status, tuple(frames) if frames else r.error)
+            first.setdefault(key, r)
+            counts[key] += 1
         with self.errors_log.open("a") as f:
-            for r in errored:
+            for key, r in first.items():
                 f.write(
-                    f"step {step} group {r.group_id} rollout {r.rollout_id} {r.status.value}: "
-                    f"{r.error}\n{r.error_details or ''}\n"
+                    f"step {step}: {counts[key]} rollouts {r.status.value}, first group "
+                    f"{r.group_id} rollout {r.rollout_id}: {r.error}\n{r.error_details or ''}\n"
                 )

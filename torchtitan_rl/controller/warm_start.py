@@ -12,6 +12,7 @@ import logging
 
 from torchtitan_rl.config import Config
 from torchtitan_rl.controller.progress import progress_bar
+from torchtitan_rl.envs.base import draw_train_sample
 from torchtitan_rl.rollout.episodes import demonstration_episodes, longest_run
 from torchtitan_rl.training.trainer_config import (
     TARGET_LOSS_WINDOW,
@@ -28,7 +29,7 @@ LOG_EVERY = 10
 def check_demonstrations_fit(cfg: Config, environment, renderer) -> None:
     """Before any process starts: a warm start whose demonstrations never fit a row
     would train on nothing (ValueError naming batcher.seq_len)."""
-    samples = [environment.train_sample(-1 - i) for i in range(cfg.warm_start.batch_size)]
+    samples = [draw_train_sample(environment, -1 - i) for i in range(cfg.warm_start.batch_size)]
     episodes = demonstration_episodes(environment, renderer, samples)
     lengths = [len(e) for e in episodes]
     limit = cfg.batcher.seq_len + 1
@@ -63,7 +64,7 @@ async def run_warm_start(
         for step in range(1, ws.steps + 1):
             supervisor.where = f"during warm-start step {step}"
             first = (step - 1) * ws.batch_size
-            samples = [environment.train_sample(-1 - first - i) for i in range(ws.batch_size)]
+            samples = [draw_train_sample(environment, -1 - first - i) for i in range(ws.batch_size)]
             batches, _ = pack(demonstration_episodes(environment, renderer, samples))
             out = await trainer.sft_step.call(batches, ws)
             step_metrics = next(iter(out.values()))

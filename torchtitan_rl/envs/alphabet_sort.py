@@ -41,6 +41,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from torchtitan_rl.checks import check_range
 from torchtitan_rl.envs.base import EnvConfig, Environment, MessageEnv, Rubric, StepResult
 from torchtitan_rl.types import Message, Rollout
 
@@ -72,7 +73,8 @@ class AlphabetSortConfig:
     max_names: int = 5
     """Most new names shown per turn, in [min_names, 5]."""
     reward_power: float = 4.0
-    """Exponent applied to each turn's similarity ratio (> 0); larger rewards near-perfect more."""
+    """Exponent applied to each turn's similarity ratio, finite and > 0; larger rewards
+    near-perfect more."""
     sort_by: str = "random"
     """Sort key: "first", "last", or "random" (first or last drawn per sample)."""
 
@@ -86,8 +88,7 @@ class AlphabetSortConfig:
                 f"env.args.max_names must be in [min_names={self.min_names}, "
                 f"{MAX_NAMES_PER_TURN}], got {self.max_names}"
             )
-        if not self.reward_power > 0:
-            raise ValueError(f"env.args.reward_power must be > 0, got {self.reward_power}")
+        check_range("env.args.reward_power", self.reward_power, gt=0)
         if self.sort_by not in tuple(SortBy):
             raise ValueError(
                 f"env.args.sort_by must be one of {[s.value for s in SortBy]}, got {self.sort_by!r}"

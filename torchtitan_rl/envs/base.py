@@ -86,7 +86,8 @@ class Rubric:
     """A weighted sum of named reward functions.
 
     A raising function propagates: the caller marks the rollout ERROR_REWARD rather than
-    training on a made-up score.
+    training on a made-up score. So does a value, or weighted sum, that is not finite or
+    beyond +-1e6 (`rollout.rollouter.REWARD_BOUND`).
     """
 
     def __init__(self, funcs: Sequence[tuple[str, RewardFn, float]]):
@@ -166,3 +167,21 @@ class Environment(ABC):
     @classmethod
     def has_demonstrations(cls) -> bool:
         return cls.demonstration is not Environment.demonstration
+
+
+class SampleError(RuntimeError):
+    """An environment could not give a training sample. Not a per-rollout error: without
+    its data the run cannot go on (skipping the index would silently change the data)."""
+
+
+def draw_train_sample(environment: Environment, index: int) -> dict[str, Any]:
+    """`environment.train_sample(index)`, or SampleError naming the environment, the method
+    and the index (with the environment's exception chained)."""
+    where = f"{type(environment).__name__}.train_sample({index})"
+    try:
+        sample = environment.train_sample(index)
+    except Exception as e:
+        raise SampleError(f"{where} raised {type(e).__name__}: {e}") from e
+    if not isinstance(sample, dict):
+        raise SampleError(f"{where} returned {type(sample).__name__}; it must return a dict")
+    return sample

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torchtitan.models.qwen3 import Qwen3Model
 
+from torchtitan_rl.checks import check_range
 from torchtitan_rl.device import DTYPES, to_device_async
 from torchtitan_rl.generation.block_manager import BlockManager
 from torchtitan_rl.generation.cuda_graphs import DecodeGraphs
@@ -87,21 +88,20 @@ class EngineConfig:
 
     def validate(self) -> None:
         for name in ("num_replicas", "max_num_seqs", "max_steps_per_iteration", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+            check_range(f"generator.{name}", getattr(self, name), ge=1)
+        check_range("generator.max_seq_len", self.max_seq_len, ge=2)
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"generator.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         min_blocks = -(-self.max_seq_len // self.block_size)
         if self.num_blocks != 0 and self.num_blocks < min_blocks:
             raise ValueError(
-                f"num_blocks must be 0 or >= ceil(max_seq_len / block_size) = {min_blocks}, "
-                f"got {self.num_blocks}"
+                f"generator.num_blocks must be 0 or >= ceil(max_seq_len / block_size) = "
+                f"{min_blocks}, got {self.num_blocks}"
             )
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(
-                f"decode_attention must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}"
+                f"generator.decode_attention must be one of {DECODE_ATTENTION}, "
+                f"got {self.decode_attention!r}"
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")

@@ -25,7 +25,10 @@ Where pi_old comes from (`loss.old_logprobs`):
   or mask with keep_weight) then switches the surrogate to REINFORCE with the detached
   truncated/masked ratio (verl's bypass mode, `policy_loss(bypass=True)`), so the ratio is
   applied once; pure rejection (mask, keep_weight = false) keeps the PPO surrogate.
-`check_objective` rejects the combinations that have no sound meaning.
+`check_objective` rejects the combinations that have no sound meaning: the ones above, and
+GSPO with a token-level weight (GSPO's ratio is one per sequence; with a sequence or
+geometric weight, constant over the sequence, its token form and TRL's sequence form give
+the same per-token gradients, tests/test_gspo_correction.py).
 
 Shape suffixes: N = loss tokens of this microbatch, S = sequences of the whole step.
 """
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from torchtitan_rl.checks import check_range
 from torchtitan_rl.losses.policy_loss import LOG_RATIO_CLAMP, LossConfig
 from torchtitan_rl.reductions import Metric
 
@@ -54,13 +58,13 @@ class CorrectionConfig:
     action: str = "truncate"
     """truncate: clamp the weight to [ratio_min, ratio_max] (TIS) | mask: 0 outside it (MIS)."""
     ratio_min: float = 0.0
-    """Lower edge of the band, >= 0; 0 leaves it open."""
+    """Lower edge of the band, finite and >= 0; 0 leaves it open."""
     ratio_max: float = 2.0
     """Upper edge of the band, > ratio_min; inf leaves it open."""
     keep_weight: bool = True
     """mask only: inside the band use the weight (True) or 1 (False, pure rejection)."""
     opsm_delta: float = 0.0
-    """OPSM: 0 disables; else drop sequences with mean advantage < 0 and mean
+    """OPSM, finite and >= 0: 0 disables; else drop sequences with mean advantage < 0 and mean
     log(mu / pi_theta) > delta."""
 
     def validate(self) -> None:
@@ -68,7 +72,9 @@ class CorrectionConfig:
             raise ValueError(f"correction.level must be one of {LEVELS}, got {self.level!r}")
         if self.action not in ACTIONS:
             raise ValueError(f"correction.action must be one of {ACTIONS}, got {self.action!r}")
-        if not 0 <= self.ratio_min < self.ratio_max:
+        check_range("correction.ratio_min", self.ratio_min, ge=0)
+        check_range("correction.ratio_max", self.ratio_max, gt=0, allow_inf=True)
+        if not self.ratio_min < self.ratio_max:
             raise ValueError(
                 f"correction.ratio_min and correction.ratio_max must satisfy "
                 f"0 <= ratio_min < ratio_max, got {self.ratio_min} and {self.ratio_max}"
@@ -78,8 +84,7 @@ class CorrectionConfig:
                 "correction.keep_weight=False only applies to correction.action='mask' "
                 f"(truncate always uses the clamped weight), got action={self.action!r}"
             )
-        if not self.opsm_delta >= 0:
-            raise ValueError(f"correction.opsm_delta must be >= 0, got {self.opsm_delta}")
+        check_range("correction.opsm_delta", self.opsm_delta, ge=0)
 
     @property
     def enabled(self) -> bool:
@@ -111,6 +116,14 @@ def check_objective(loss: LossConfig, correction: CorrectionConfig) -> None:
             f"corrected ratio pi/mu, which loss.name={loss.name!r} cannot take (it has its own "
             f"ratio); use loss.old_logprobs='recompute', loss.name in {BYPASS_LOSSES}, or "
             "correction.action='mask' with correction.keep_weight=false"
+        )
+    if loss.name == "gspo" and correction.level == "token":
+        raise ValueError(
+            "correction.level='token' with loss.name='gspo': GSPO has one ratio per "
+            "sequence, so a weight per token has no single meaning there (TRL spreads each "
+            "token's weight over its sequence, the token form keeps it on its token; their "
+            "per-token gradients differ); use correction.level='geometric' (length-normalised "
+            "like GSPO's ratio) or 'sequence'"
         )
 
 

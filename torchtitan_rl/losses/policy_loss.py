@@ -3,7 +3,7 @@
 Three policies (DESIGN.md): pi_theta is being trained, pi_old is the trainer's policy when
 the batch was made, mu is the generator that sampled. `old_logprobs_N` is pi_old: recomputed
 by the trainer (`loss.old_logprobs = "recompute"`) or mu itself ("generator"). Per token t
-of sequence i, with r_t = exp(logp_t - old_logp_t) and advantage A_t:
+of sequence i, with r_t = exp(cap(logp_t - old_logp_t)) and advantage A_t:
 
     grpo / dapo / dr_grpo:  -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)
     gspo:   the same on s_t = sg[s_i] * exp(logp_t - sg[logp_t]), s_i = exp(mean_t log r_t)
@@ -24,10 +24,16 @@ aggregation), 1[.] the not-clipped indicator of the min above:
     generator, bypass:        g_t = -w_t A_t, w_t the truncated/masked pi_theta / mu
                               (token, sequence or geometric level), detached: verl's bypass
                               mode; the ratio is applied once, by w
-    gspo:                     g_t = -w_t A_t s_i 1[.]
+    gspo:                     g_t = -w_t A_t s_i 1[.], w_t constant over sequence i
+                              (sequence or geometric level; token level is refused), so
+                              the same as differentiating s_i through every token (TRL)
     cispo:                    g_t = -w_t A_t sg[min(r_t, 1 + clip_high)]
-KL_t with d_t = ref_logp_t - logp_t (an estimate of KL(pi_theta || ref) from samples):
+KL_t with d_t = cap(ref_logp_t - logp_t) (an estimate of KL(pi_theta || ref) from samples):
     k1: -d_t (g = 1) | k2: d_t^2 / 2 (g = -d_t) | k3: exp(d_t) - d_t - 1 (g = 1 - exp(d_t))
+cap(x) is x clamped to +-LOG_RATIO_CLAMP (20) in value with d cap(x) / dx = 1 everywhere
+(straight-through), so every formula above holds as written past the bound: a token at
+log-ratio 20.1 gets the coefficient of one at 20 (-A_t e^20 for grpo, 1 - e^20 for k3),
+the gradient is capped there, never cut to 0.
 
 Shape suffixes: N = loss tokens of this microbatch, S = sequences of the whole step.
 """
@@ -40,10 +46,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from torchtitan_rl.checks import check_range
+from torchtitan_rl.models.hf_folder import check_hf_folder
 from torchtitan_rl.reductions import Metric
 
 LOG_RATIO_CLAMP = 20.0
-"""Bound on |log-ratio| before exp: exp(20) ~ 5e8 is finite in fp32, exp(89) is not."""
+"""Bound on |log-ratio| before exp: exp(20) ~ 5e8 is finite in fp32, exp(89) is not. It caps
+the value only (`capped`): the gradient past it is the gradient at it."""
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -59,22 +68,25 @@ class LossConfig:
     clip_low: float = 0.2
     """Lower clip: ratios below 1 - clip_low stop pushing down (grpo family); in [0, 1)."""
     clip_high: float = 0.2
-    """Upper clip: ratios above 1 + clip_high stop pushing up; DAPO wants more, e.g. 0.28."""
+    """Upper clip: ratios above 1 + clip_high stop pushing up, finite and >= 0; DAPO wants
+    more, e.g. 0.28."""
     aggregation: str = "token_mean"
     """token_mean | seq_mean_token_mean | seq_mean_token_sum; dapo and dr_grpo fix their own."""
     dr_grpo_normalizer: float = 1024.0
-    """dr_grpo only: constant per-sequence denominator, in tokens (usually the max length)."""
+    """dr_grpo only: constant per-sequence denominator, in tokens (usually the max length),
+    finite and > 0."""
     entropy_coef: float = 0.0
-    """Weight of the entropy bonus (subtracted from the loss); 0 disables."""
+    """Weight of the entropy bonus (subtracted from the loss), finite and >= 0; 0 disables."""
     kl_coef: float = 0.0
-    """Weight of the KL penalty to a frozen reference policy; 0 disables (and keeps no
-    reference in memory)."""
+    """Weight of the KL penalty to a frozen reference policy, finite and >= 0; 0 disables
+    (and keeps no reference in memory)."""
     kl_estimator: str = "k3"
     """k1: logp - ref | k2: (logp - ref)^2 / 2 | k3: exp(ref - logp) - (ref - logp) - 1
     (non-negative, lower variance)."""
     kl_reference: str = ""
-    """Hugging Face folder of the reference policy; "" uses the policy as RL starts (after the
-    warm start). Only with kl_coef > 0."""
+    """Hugging Face folder of the reference policy (config.json and *.safetensors, checked
+    when the config loads); "" uses the policy as RL starts (after the warm start). Only with
+    kl_coef > 0."""
     old_logprobs: str = "recompute"
     """pi_old of the PPO ratio: "recompute" (one no-grad trainer forward per step, before the
     first update) | "generator" (the generator's log-probs mu; no extra forward)."""
@@ -92,22 +104,16 @@ class LossConfig:
                 f"loss.aggregation={self.aggregation!r} has no effect with loss.name="
                 f"{self.name!r}, which always aggregates as {fixed!r}; leave it at 'token_mean'"
             )
-        if not 0 <= self.clip_low < 1:
-            raise ValueError(f"loss.clip_low must be in [0, 1), got {self.clip_low}")
-        if self.clip_high < 0:
-            raise ValueError(f"loss.clip_high must be >= 0, got {self.clip_high}")
+        check_range("loss.clip_low", self.clip_low, ge=0, lt=1)
+        check_range("loss.clip_high", self.clip_high, ge=0)
         if self.name == "dapo" and self.clip_high <= self.clip_low:
             raise ValueError(
                 f"loss.clip_high must exceed loss.clip_low for dapo (e.g. 0.28 vs 0.2), "
                 f"got {self.clip_high} <= {self.clip_low}"
             )
-        if self.dr_grpo_normalizer <= 0:
-            raise ValueError(f"loss.dr_grpo_normalizer must be > 0, got {self.dr_grpo_normalizer}")
-        if self.entropy_coef < 0 or self.kl_coef < 0:
-            raise ValueError(
-                f"loss.entropy_coef and loss.kl_coef must be >= 0, got "
-                f"{self.entropy_coef} and {self.kl_coef}"
-            )
+        check_range("loss.dr_grpo_normalizer", self.dr_grpo_normalizer, gt=0)
+        check_range("loss.entropy_coef", self.entropy_coef, ge=0)
+        check_range("loss.kl_coef", self.kl_coef, ge=0)
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(
                 f"loss.old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}"
@@ -116,6 +122,8 @@ class LossConfig:
             raise ValueError(
                 f"loss.kl_reference={self.kl_reference!r} is only used with loss.kl_coef > 0"
             )
+        if self.kl_reference:
+            check_hf_folder("loss.kl_reference", self.kl_reference, tokenizer=False)
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
                 f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}"
@@ -127,7 +135,7 @@ class _Tokens:
     """Sanitised per-token inputs: every field is finite, 0 where `valid_N` is False."""
 
     logprobs_N: Tensor
-    log_ratio_N: Tensor  # clamped to +-LOG_RATIO_CLAMP
+    log_ratio_N: Tensor  # capped to +-LOG_RATIO_CLAMP (value only, see `capped`)
     advantages_N: Tensor
     sequence_ids_N: Tensor
     valid_N: Tensor  # bool
@@ -282,7 +290,7 @@ def _sanitise(
 ) -> _Tokens:
     logprobs_N = _masked(logprobs_N, valid_N)
     old_logprobs_N = _masked(old_logprobs_N.detach(), valid_N)
-    log_ratio_N = (logprobs_N - old_logprobs_N).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio_N = capped(logprobs_N - old_logprobs_N)
     sequence_ids_N = sequence_ids_N.long()
     valid_f_N = valid_N.to(logprobs_N.dtype)
     count_S = valid_f_N.new_zeros(num_sequences).index_add(0, sequence_ids_N, valid_f_N)
@@ -296,9 +304,19 @@ def _sanitise(
     )
 
 
+def capped(log_ratio_N: Tensor) -> Tensor:
+    """`log_ratio_N` clamped to +-LOG_RATIO_CLAMP in value, with gradient 1 everywhere
+    (straight-through): exp of it keeps, past the bound, the gradient it has at the bound.
+    The clamped value is exact (x - sg[x] is exactly 0 for finite x); callers pass finite
+    values only."""
+    return log_ratio_N.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) + (
+        log_ratio_N - log_ratio_N.detach()
+    )
+
+
 def _kl(tokens: _Tokens, ref_logprobs_N: Tensor, estimator: str) -> Tensor:
     """Per-token estimate of KL(policy || reference) from samples of the policy."""
-    log_ref_ratio_N = (ref_logprobs_N - tokens.logprobs_N).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ref_ratio_N = capped(ref_logprobs_N - tokens.logprobs_N)
     if estimator == "k1":
         kl_N = -log_ref_ratio_N
     elif estimator == "k2":

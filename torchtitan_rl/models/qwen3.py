@@ -21,6 +21,7 @@ from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs, qwen3_args
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from torchtitan_rl.losses.logprobs import token_logprobs, vocab_parallel_token_logprobs
+from torchtitan_rl.models.hf_folder import check_hf_folder
 
 TINY_ARGS = dict(
     dim=128,
@@ -57,13 +58,7 @@ class ModelConfig:
         if self.flavor not in valid:
             raise ValueError(f"model.flavor: unknown flavor {self.flavor!r}; valid: {valid}")
         if self.hf_checkpoint:
-            folder = Path(self.hf_checkpoint)
-            if not (folder / "config.json").is_file():
-                raise ValueError(
-                    f"model.hf_checkpoint: {self.hf_checkpoint!r} is not a folder with config.json"
-                )
-            if not list(folder.glob("*.safetensors")):
-                raise ValueError(f"model.hf_checkpoint: no *.safetensors in {self.hf_checkpoint!r}")
+            check_hf_folder("model.hf_checkpoint", self.hf_checkpoint, tokenizer=True)
         if self.max_seq_len < 16:
             raise ValueError(f"model.max_seq_len must be >= 16, got {self.max_seq_len}")
 

@@ -7,7 +7,8 @@ Naming (stable, so a router can keep a rollout's turns on one generator and runs
 
 Group ids number the groups of one step in sampling order (0, 1, ...), across refill rounds.
 A rollout that ends in an error status keeps reward 0.0 and advantage 0.0 but is flagged by
-its status; it is counted in metrics and never trained on.
+its status; it is counted in metrics and never trained on. A reward that is not finite or
+is beyond +-REWARD_BOUND (1e6) is such an error (ERROR_REWARD).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from torchtitan_rl.checks import check_range
+from torchtitan_rl.envs.base import draw_train_sample
 from torchtitan_rl.rollout.advantages import group_has_signal
 from torchtitan_rl.rollout.token_env import TokenEnv, TokenEnvError
 from torchtitan_rl.types import (
@@ -41,6 +44,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1  # seeds fit a signed int64 (torch.Generator.manual_seed)
+REWARD_BOUND = 1e6
+"""Largest |reward| a rollout may score (each rubric function and their weighted sum); past
+it the rollout is ERROR_REWARD, like a NaN. Rewards are O(1) in every recipe, so a score
+this large is taken for a bug in the reward function; the bound also keeps every mean
+over rollouts finite (a reward of 1e308 made the step's mean overflow to inf)."""
 REFILL_MAX_FACTOR = 4
 """A refill round samples at most this many times the groups still missing."""
 
@@ -71,11 +79,12 @@ class RolloutConfig:
     """TOML section [rollout]."""
 
     group_size: int = 8
-    """Sibling rollouts per prompt (>= 1; >= 2 for a group-relative advantage to be nonzero)."""
+    """Sibling rollouts per prompt, >= 2 when training.steps > 0 (a group-relative advantage
+    needs siblings); 1 is allowed only with training.steps = 0 (validation only)."""
     prompts_per_step: int = 8
     """Groups (prompts) trained on per step (>= 1)."""
     temperature: float = 1.0
-    """Sampling temperature of training rollouts, > 0: the loss needs the log-probs of the
+    """Sampling temperature of training rollouts, finite and > 0: the loss needs the log-probs of the
     distribution that sampled (validation decodes greedily on its own)."""
     top_p: float = 1.0
     """Nucleus mass kept, in (0, 1]; 1 disables."""
@@ -108,21 +117,15 @@ class RolloutConfig:
 
     def validate(self) -> None:
         for name in ("group_size", "prompts_per_step", "max_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.temperature > 0:
+            check_range(f"rollout.{name}", getattr(self, name), ge=1)
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(
-                f"rollout.temperature must be > 0 (training rollouts sample; validation is "
-                f"greedy by itself), got {self.temperature}"
+                f"rollout.temperature must be finite and > 0 (training rollouts sample; "
+                f"validation is greedy by itself), got {self.temperature}"
             )
-        if self.max_staleness < 0:
-            raise ValueError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
-        if not self.batch_timeout_s > 0:
-            raise ValueError(f"rollout.batch_timeout_s must be > 0, got {self.batch_timeout_s}")
-        if self.max_sampling_rounds < 0:
-            raise ValueError(
-                f"rollout.max_sampling_rounds must be >= 0, got {self.max_sampling_rounds}"
-            )
+        check_range("rollout.max_staleness", self.max_staleness, ge=0)
+        check_range("rollout.batch_timeout_s", self.batch_timeout_s, gt=0)
+        check_range("rollout.max_sampling_rounds", self.max_sampling_rounds, ge=0)
         try:
             self.sampling_params(seed=0, max_tokens=self.max_tokens, stop_token_ids=()).validate()
         except ValueError as e:  # SamplingParams names the field; say which section it is in
@@ -273,8 +276,9 @@ class Rollouter:
         except Exception as e:  # a failing reward fn marks the rollout, never a silent 0
             _fail(rollout, RolloutStatus.ERROR_REWARD, _describe(e), traceback.format_exc())
             return
-        if not math.isfinite(reward):
-            _fail(rollout, RolloutStatus.ERROR_REWARD, f"non-finite reward {reward!r}")
+        error = _reward_error(reward, breakdown)
+        if error is not None:
+            _fail(rollout, RolloutStatus.ERROR_REWARD, error)
             return
         rollout.reward = float(reward)
         rollout.reward_breakdown = {k: float(v) for k, v in breakdown.items()}
@@ -314,7 +318,8 @@ class Rollouter:
         """Sample prompts until `prompts_per_step` groups survive filtering.
 
         Returns the kept groups, the next unused sample index, the rounds taken and the groups
-        filtered out (errored rollouts among them are reported, not lost). After
+        filtered out (errored rollouts among them are reported, not lost). An environment
+        that cannot give a sample raises SampleError (envs/base.py): that ends the run. After
         `max_sampling_rounds` refill rounds, or (1 + max_sampling_rounds) * prompts_per_step
         groups, it warns and returns what it has, which may be fewer groups or none at all.
         Each round's prompts are `draw(n)` (a PromptLedger's), or the next consecutive
@@ -340,15 +345,14 @@ class Rollouter:
                 indices, index = list(range(index, index + size)), index + size
             else:
                 indices = draw(size)
+            # every sample before any coroutine exists: a failing one leaves none unawaited
+            samples = [draw_train_sample(self._environment, i) for i in indices]
             groups = await asyncio.gather(
                 *(
                     self.run_group_rollouts(
-                        self._environment.train_sample(sample_index),
-                        generate_fn,
-                        group_id=first_group + i,
-                        step=step,
+                        sample, generate_fn, group_id=first_group + i, step=step
                     )
-                    for i, sample_index in enumerate(indices)
+                    for i, sample in enumerate(samples)
                 )
             )
             for group, sample_index in zip(groups, indices, strict=True):
@@ -383,6 +387,19 @@ def refill_size(need: int, sampled: int, kept: int) -> int:
     if REFILL_MAX_FACTOR * kept < sampled:
         return REFILL_MAX_FACTOR * need
     return -(-need * sampled // kept)  # ceil(need * sampled / kept) in integers
+
+
+def _reward_error(reward: float, breakdown: dict[str, float]) -> str | None:
+    """Why a score may not be trained on (None if it may): each rubric function's value and
+    their weighted sum must be finite and within +-REWARD_BOUND."""
+    scores = {f"rubric function {k!r}": v for k, v in breakdown.items()}
+    scores["the weighted sum"] = reward
+    for what, value in scores.items():
+        if not math.isfinite(value):
+            return f"non-finite reward {value!r} from {what}"
+        if abs(value) > REWARD_BOUND:
+            return f"reward {value!r} from {what} is beyond REWARD_BOUND = {REWARD_BOUND:g}"
+    return None
 
 
 def _describe(e: BaseException) -> str:

@@ -15,6 +15,8 @@ Limits (from EnvConfig), checked in this order after each completion:
                                                  the message is cut; the rubric still scores
                                                  what exists)
     env.step raised / exceeded step_timeout_s -> ERROR_ENV / ERROR_TIMEOUT
+    env.step gave no StepResult, or a message -> ERROR_ENV (naming the env class, the
+      UTF-8 cannot encode (a lone surrogate)     method, the turn and the message)
     env said done                             -> COMPLETED
     max_turns assistant turns taken           -> TRUNCATED_TURNS
     next prompt leaves no room to generate    -> TRUNCATED_PROMPT
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from torchtitan_rl.envs.base import StepResult
 from torchtitan_rl.types import Completion, FinishReason, Message, RolloutStatus
 
 if TYPE_CHECKING:
@@ -84,6 +87,10 @@ class TokenEnv:
         self._num_turns = 0
 
     @property
+    def _name(self) -> str:
+        return type(self._env).__name__
+
+    @property
     def messages(self) -> list[Message]:
         """The conversation so far (init messages, assistant turns, env replies)."""
         return self._messages
@@ -102,7 +109,10 @@ class TokenEnv:
             raise TokenEnvError(
                 RolloutStatus.ERROR_ENV, _describe(e), traceback.format_exc()
             ) from e
-        self._messages = list(first)
+        try:
+            self._messages = _checked_messages(first, f"{self._name}.init")
+        except ValueError as e:
+            raise TokenEnvError(RolloutStatus.ERROR_ENV, str(e)) from e
         self._prompt_ids = np.asarray(self._renderer.render_prompt(self._messages), np.int32)
         self._num_turns = 0
         return self._prompt_ids
@@ -142,7 +152,13 @@ class TokenEnv:
                 error_details=traceback.format_exc(),
             )
 
-        reply = list(result.messages)
+        where = f"{self._name}.step (turn {self._num_turns - 1})"
+        try:
+            if not isinstance(result, StepResult):
+                raise ValueError(f"{where} returned {result!r}; it must return a StepResult")
+            reply = _checked_messages(result.messages, where)
+        except ValueError as e:
+            return _ended(RolloutStatus.ERROR_ENV, assistant_text=text, error=str(e))
         self._messages.extend(reply)
         signals = dict(result.reward_signals)
         turn = dict(assistant_text=text, env_messages=reply, reward_signals=signals)
@@ -170,6 +186,27 @@ class TokenEnv:
 
     def _timeout_message(self, what: str) -> str:
         return f"env.{what} exceeded step_timeout_s={self._config.step_timeout_s}"
+
+
+def _checked_messages(messages: Any, where: str) -> list[Message]:
+    """`messages` as a list, or ValueError naming `where` and the first bad message: each is
+    a dict with str "role" and "content" that UTF-8 can encode (a lone surrogate cannot)."""
+    if not isinstance(messages, list | tuple):
+        raise ValueError(f"{where} gave {type(messages).__name__} messages; expected a list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not all(
+            isinstance(message.get(k), str) for k in ("role", "content")
+        ):
+            raise ValueError(f"{where}: message {i} is {message!r}; expected str role and content")
+        for key in ("role", "content"):
+            try:
+                message[key].encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"{where}: message {i} {key} has a lone surrogate "
+                    f"{message[key][e.start]!r} at index {e.start}, which UTF-8 cannot encode"
+                ) from e
+    return list(messages)
 
 
 def _ended(status: RolloutStatus, **fields: Any) -> TokenStep:

@@ -190,14 +190,11 @@ class TrainerCore:
                 parts.append(self._microbatch(mb, t, old_N, temperature))
         metrics = self._all_ranks(merge(_on_host(parts)))
         loss = metrics["loss/mean"].result() if "loss/mean" in metrics else 0.0
+        lr = self.optimizer.param_groups[0]["lr"]  # this update's; the scheduler moves on
         applied, opt_metrics = self._optimizer_step(self.optimizer, loss)
         if applied:  # a skipped step leaves the learning-rate schedule where it was
             self.scheduler.step()
-        return {
-            **metrics,
-            **opt_metrics,
-            "trainer/lr": Metric.last(self.scheduler.get_last_lr()[0]),
-        }
+        return {**metrics, **opt_metrics, "trainer/lr": Metric.last(lr)}
 
     def _microbatch(self, mb: Microbatch, t: dict, old_N, temperature: float) -> Metrics:
         """Forward and backward of one microbatch; its metrics (tensors, not yet synced)."""

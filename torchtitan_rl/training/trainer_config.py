@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from torchtitan_rl.checks import check_range
 from torchtitan_rl.device import DTYPE_NAMES
 
 
@@ -17,19 +18,19 @@ class TrainingConfig:
     stop_after: int = 0
     """End the run cleanly after this RL step, as a preemption would; 0 runs all steps."""
     lr: float = 3e-4
-    """AdamW learning rate after warmup."""
+    """AdamW learning rate after warmup, finite and > 0."""
     warmup_steps: int = 0
-    """Linear learning-rate warmup, in optimizer steps."""
+    """Linear learning-rate warmup, in optimizer steps (>= 0)."""
     lr_decay_to: float = 1.0
-    """Learning rate at the last RL step as a fraction of `lr`, reached by cosine decay
-    after the warmup (over steps x minibatches optimizer steps); 1 keeps it constant."""
+    """Learning rate at the last RL step as a fraction of `lr`, in [0, 1], reached by cosine
+    decay after the warmup (over steps x minibatches optimizer steps); 1 keeps it constant."""
     minibatches: int = 1
     """Optimizer steps per RL step: the step's groups are split into this many minibatches
     of whole groups; weights go to the generator once, after the last."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """AdamW weight decay, finite and >= 0."""
     max_grad_norm: float = 1.0
-    """Gradient clipping by global norm; 0 disables."""
+    """Gradient clipping by global norm, finite and >= 0; 0 disables."""
     dtype: str = "float32"
     """Parameter dtype for forward/backward: "float32" or "bfloat16" (GPU)."""
     compile: bool = False
@@ -47,16 +48,14 @@ class TrainingConfig:
         return self.lr_decay_to + (1 - self.lr_decay_to) * 0.5 * (1 + math.cos(math.pi * done))
 
     def validate(self) -> None:
-        if not 0 <= self.lr_decay_to <= 1:
-            raise ValueError(f"training.lr_decay_to must be in [0, 1], got {self.lr_decay_to}")
-        if self.steps < 0:
-            raise ValueError(f"training.steps must be >= 0, got {self.steps}")
-        if self.stop_after < 0:
-            raise ValueError(f"training.stop_after must be >= 0, got {self.stop_after}")
-        if self.minibatches < 1:
-            raise ValueError(f"training.minibatches must be >= 1, got {self.minibatches}")
-        if self.lr <= 0:
-            raise ValueError(f"training.lr must be > 0, got {self.lr}")
+        check_range("training.lr_decay_to", self.lr_decay_to, ge=0, le=1)
+        check_range("training.steps", self.steps, ge=0)
+        check_range("training.stop_after", self.stop_after, ge=0)
+        check_range("training.minibatches", self.minibatches, ge=1)
+        check_range("training.lr", self.lr, gt=0)
+        check_range("training.warmup_steps", self.warmup_steps, ge=0)
+        check_range("training.weight_decay", self.weight_decay, ge=0)
+        check_range("training.max_grad_norm", self.max_grad_norm, ge=0)
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"training.dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         if not isinstance(self.compile, bool):
@@ -81,19 +80,18 @@ class WarmStartConfig:
     batch_size: int = 32
     """Demonstrations per step."""
     lr: float = 2e-3
-    """Learning rate of the warm start (its own AdamW state, dropped before RL)."""
+    """Learning rate of the warm start, finite and > 0 (its own AdamW state, dropped before
+    RL)."""
     target_loss: float = 0.0
-    """Stop early once the mean loss of the last 10 steps is at or below this (`steps` is
+    """Finite and >= 0. Stop early once the mean loss of the last 10 steps is at or below this (`steps` is
     then the most it runs), so every seed starts RL from a model as far along; 0 runs all
     `steps` (as does a cap below 10 steps, e.g. a short smoke run)."""
 
     def validate(self) -> None:
-        if self.steps < 0:
-            raise ValueError(f"warm_start.steps must be >= 0, got {self.steps}")
-        if self.batch_size < 1:
-            raise ValueError(f"warm_start.batch_size must be >= 1, got {self.batch_size}")
-        if not self.target_loss >= 0:  # NaN too
-            raise ValueError(f"warm_start.target_loss must be >= 0, got {self.target_loss}")
+        check_range("warm_start.steps", self.steps, ge=0)
+        check_range("warm_start.batch_size", self.batch_size, ge=1)
+        check_range("warm_start.lr", self.lr, gt=0)
+        check_range("warm_start.target_loss", self.target_loss, ge=0)
 
     def reached_target(self, recent_losses: list[float]) -> bool:
         """Whether the warm start may stop: the last `TARGET_LOSS_WINDOW` losses average

@@ -1,0 +1,95 @@
+"""Synchronous vs asynchronous RL steps, side by side: seconds per step, rollout tokens
+trained per second, and who waits for whom, at each rollout.max_staleness.
+
+    python scripts/bench_async.py --out outputs/bench_async \\
+        --staleness 0 1 2 --prompts 8 32 --common "--warm_start.steps=60 --training.steps=8"
+
+Runs `./run_train.sh` (CONFIG_FILE as in the environment, default the 0.6B GPU job) once per
+(staleness, prompts_per_step) pair, one after another, and reads each run's TensorBoard
+scalars. Steps 1-2 pay one-time costs (compile, the pipeline filling) and are left out of the
+means. The physical floor of an overlapped step is max(generation, training) + sync: the
+synchronous step pays generation + training + sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from summarize_run import read_scalars  # noqa: E402
+
+TAGS = {
+    "step_s": "perf/step_seconds",
+    "gen_s": "perf/generate_seconds",
+    "train_s": "perf/train_seconds",
+    "sync_s": "perf/sync_seconds",
+    "trainer_wait_s": "perf/trainer_wait_seconds",
+    "generator_wait_s": "perf/generator_wait_seconds",
+    "tokens": "batcher/num_tokens",
+    "staleness_max": "rollout/staleness/max",
+    "reward": "rollout_reward/mean",
+}
+SKIP_STEPS = 2
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="job.output_dir of every run")
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--prompts", type=int, nargs="+", default=[8, 32], help="prompts_per_step")
+    p.add_argument("--common", default="", help="overrides for every run")
+    return p.parse_args()
+
+
+def run_one(out: Path, name: str, overrides: list[str]) -> dict:
+    cmd = ["./run_train.sh", *overrides, f"--job.output_dir={out}", f"--job.run_name={name}"]
+    env = {**os.environ}
+    env.setdefault("CONFIG_FILE", "train_configs/alphabet_sort_qwen3_0.6b.toml")
+    t0 = time.perf_counter()
+    with (out / f"{name}.log").open("w") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    row = {"name": name, "rc": rc, "wall_s": round(time.perf_counter() - t0, 1)}
+    tb = out / name / "tb"
+    if rc or not tb.is_dir():
+        return row
+    scalars = read_scalars(tb)
+    for key, tag in TAGS.items():
+        values = [v for s, v in scalars.get(tag, []) if s > SKIP_STEPS]
+        row[key] = statistics.fmean(values) if values else float("nan")
+    row["tokens_per_s"] = row["tokens"] / row["step_s"]
+    row["floor_s"] = max(row["gen_s"], row["train_s"]) + row["sync_s"]
+    return row
+
+
+def main() -> None:
+    args = parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for prompts in args.prompts:
+        for n in args.staleness:
+            name = f"n{n}_p{prompts}"
+            overrides = [*shlex.split(args.common), f"--rollout.max_staleness={n}",
+                         f"--rollout.prompts_per_step={prompts}"]  # fmt: skip
+            rows.append({"staleness": n, "prompts": prompts, **run_one(out, name, overrides)})
+            print(json.dumps(rows[-1]), flush=True)
+    cols = ("staleness", "prompts", "step_s", "floor_s", "gen_s", "train_s", "sync_s",
+            "trainer_wait_s", "generator_wait_s", "tokens_per_s", "staleness_max")  # fmt: skip
+    print(" | ".join(cols))
+    for row in rows:
+        print(" | ".join(f"{row.get(c, float('nan')):.3f}" if isinstance(row.get(c), float)
+                         else str(row.get(c, "-")) for c in cols))  # fmt: skip
+    (out / "bench_async.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
