@@ -10,7 +10,8 @@ from fakes import tiny_core, tiny_qwen3
 
 from torchtitan_rl.controller.config import ParallelismConfig
 from torchtitan_rl.envs.base import EnvConfig
-from torchtitan_rl.generation.engine import Engine, EngineConfig
+from torchtitan_rl.generation.engine import Engine
+from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.models.hf_export import export_hf
 from torchtitan_rl.rollout.batcher import BatcherConfig, pack_batch
 from torchtitan_rl.types import Episode

@@ -70,3 +70,21 @@ def test_both_backends_implement_the_engine_interface():
     assert members <= set(vars(GenerationEngine))
     for cls in (Engine, VllmEngine):
         assert members <= set(dir(cls)), cls
+
+
+def test_the_two_engines_share_the_seam_and_import_neither_the_other():
+    """Config, error completion and the async front live once in generation/interface.py;
+    neither backend (nor the seam) imports the other backend's modules."""
+    graph = _imports()
+    native = {
+        "torchtitan_rl.generation.engine",
+        "torchtitan_rl.generation.model_runner",
+        "torchtitan_rl.generation.scheduler",
+    }
+    vllm = {"torchtitan_rl.generation.vllm_engine", "torchtitan_rl.generation.vllm_support"}
+    assert "torchtitan_rl.generation.interface" in graph["torchtitan_rl.generation.engine"]
+    assert "torchtitan_rl.generation.interface" in graph["torchtitan_rl.generation.vllm_engine"]
+    for module in vllm:
+        assert not graph[module] & native, module
+    assert not graph["torchtitan_rl.generation.engine"] & vllm
+    assert not graph["torchtitan_rl.generation.interface"] & (native | vllm)

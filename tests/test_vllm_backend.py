@@ -19,7 +19,8 @@ pytest.importorskip("vllm")
 from torchtitan_rl.actors.generator import build_engine  # noqa: E402
 from torchtitan_rl.config import load_config  # noqa: E402
 from torchtitan_rl.controller.loop import Controller  # noqa: E402
-from torchtitan_rl.generation.engine import Engine, EngineConfig  # noqa: E402
+from torchtitan_rl.generation.engine import Engine  # noqa: E402
+from torchtitan_rl.generation.interface import EngineConfig  # noqa: E402
 from torchtitan_rl.models.hf_export import export_hf  # noqa: E402
 from torchtitan_rl.models.qwen3 import ModelConfig, build_model  # noqa: E402
 from torchtitan_rl.models.tokenizer import Tokenizer  # noqa: E402

@@ -24,7 +24,7 @@ from torchtitan_rl.controller.config import (
 )
 from torchtitan_rl.envs import resolve_environment
 from torchtitan_rl.envs.base import EnvConfig
-from torchtitan_rl.generation.engine import EngineConfig
+from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.generation.vllm_engine import CPU_BLOCK_MULTIPLE
 from torchtitan_rl.losses.corrections import CorrectionConfig, check_objective
 from torchtitan_rl.losses.policy_loss import LossConfig
