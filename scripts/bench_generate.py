@@ -57,7 +57,8 @@ import torch
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs, qwen3_args
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-from torchtitan_rl.generation.engine import Engine, EngineConfig
+from torchtitan_rl.generation.engine import Engine
+from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.generation.model_runner import SeqInput
 from torchtitan_rl.types import SamplingParams
 

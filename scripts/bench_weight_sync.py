@@ -44,7 +44,7 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from torchtitan_rl.actors.generator import GeneratorActor
 from torchtitan_rl.actors.trainer import TrainerActor
-from torchtitan_rl.generation.engine import EngineConfig
+from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models.qwen3 import ModelConfig

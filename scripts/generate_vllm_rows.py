@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-from torchtitan_rl.generation.engine import EngineConfig
+from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.types import SamplingParams
 
 
@@ -75,7 +75,7 @@ def run_vllm(model, args, prompts: np.ndarray, device, dtype_name: str) -> dict:
     generator.backend = "vllm" generates with)."""
     import tempfile
 
-    from torchtitan_rl.generation.vllm_engine import VllmEngine
+    from torchtitan_rl.generation.vllm_engine import start_vllm_engine
 
     config = EngineConfig(
         backend="vllm",
@@ -90,7 +90,7 @@ def run_vllm(model, args, prompts: np.ndarray, device, dtype_name: str) -> dict:
         folder = export_folder(model, Path(tmp) / "hf")
         adapter = Qwen3StateDictAdapter(model.model_args, None)
         t0 = time.perf_counter()
-        engine = VllmEngine(folder, config, device, state_dict_adapter=adapter)
+        engine = start_vllm_engine(folder, config, device, state_dict_adapter=adapter)
         setup_s = time.perf_counter() - t0
 
     async def generate(max_tokens: int):

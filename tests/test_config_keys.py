@@ -10,7 +10,8 @@ from fakes import tiny_core, tiny_qwen3
 
 from torchtitan_rl.config.job import ParallelismConfig
 from torchtitan_rl.envs.base import EnvConfig
-from torchtitan_rl.generation.engine import Engine, EngineConfig
+from torchtitan_rl.generation.engine import Engine
+from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.models.hf_export import export_hf
 from torchtitan_rl.rollout.batcher import BatcherConfig, pack_batch
 from torchtitan_rl.types import Episode
@@ -197,8 +198,16 @@ class _NoMetrics:
         pass
 
 
-async def _no_sync():
-    return 0.0
+class _NoSync:
+    """A weight sync that moves nothing (version None: no version delivered)."""
+
+    version = None
+
+    async def __call__(self):
+        return 0.0
+
+
+_no_sync = _NoSync()
 
 
 def test_model_max_seq_len_sizes_the_rope_cache_and_bounds_batcher_rows(tmp_path):

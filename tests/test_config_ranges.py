@@ -30,8 +30,15 @@ TINY = Path(__file__).resolve().parents[1] / "train_configs" / "alphabet_sort_ti
         ("--loss.entropy_coef=nan", "loss.entropy_coef must be finite and >= 0, got nan"),
         ("--loss.kl_coef=nan", "loss.kl_coef must be finite and >= 0, got nan"),
         ("--loss.kl_coef=inf", "loss.kl_coef must be finite and >= 0, got inf"),
-        ("--loss.clip_low=nan", "loss.clip_low must be in [0, 1), got nan"),
-        ("--loss.clip_high=inf", "loss.clip_high must be finite and >= 0, got inf"),
+        (
+            "--loss.clip_low=nan",
+            "loss.clip_low must be in [0, 0.99999999793",
+        ),
+        (
+            "--loss.clip_high=inf",
+            "loss.clip_high must be in [0, 485165194.4",
+        ),
+        ("--loss.clip_high=5e8", "loss.clip_high must be in [0, 485165194.4"),
         ("--loss.dr_grpo_normalizer=nan", "loss.dr_grpo_normalizer must be finite and > 0"),
         ("--correction.ratio_min=nan", "correction.ratio_min must be finite and >= 0, got nan"),
         ("--correction.ratio_max=nan", "correction.ratio_max must be > 0 (inf allowed), got nan"),

@@ -6,7 +6,8 @@ import pytest
 import torch
 from fakes import tiny_qwen3
 
-from torchtitan_rl.generation.engine import Engine, EngineConfig
+from torchtitan_rl.generation.engine import Engine
+from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.types import FinishReason, SamplingParams
 
 VOCAB = 97

@@ -16,7 +16,8 @@ import torch
 from fakes import tiny_qwen3
 from test_engine import prompt, run
 
-from torchtitan_rl.generation.engine import Engine, EngineConfig
+from torchtitan_rl.generation.engine import Engine
+from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.types import FinishReason, SamplingParams
 
 STOPS = tuple(range(0, 97, 9))  # 11 of 97 ids: sampled rows stop after a few tokens

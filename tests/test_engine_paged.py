@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_engine import GREEDY, make_engine, prompt, run, tiny_qwen3, yield_loop
 
-from torchtitan_rl.generation.engine import EngineConfig
+from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.types import SamplingParams
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=40, max_tokens=10)

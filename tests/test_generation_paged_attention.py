@@ -56,7 +56,8 @@ def test_cuda_engine_with_graphs_and_paged_kernel_matches_cpu_engine():
     import numpy as np
     from test_engine import prompt, tiny_qwen3
 
-    from torchtitan_rl.generation.engine import Engine, EngineConfig
+    from torchtitan_rl.generation.engine import Engine
+    from torchtitan_rl.generation.interface import EngineConfig
     from torchtitan_rl.types import SamplingParams
 
     config = dict(max_num_seqs=4, max_seq_len=48, block_size=4, max_steps_per_iteration=4)

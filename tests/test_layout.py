@@ -100,3 +100,21 @@ def test_the_loop_holds_the_loop_only():
         "torchtitan_rl.controller.resume",
         "torchtitan_rl.controller.report",
     } <= deps
+
+
+def test_the_two_engines_share_the_seam_and_import_neither_the_other():
+    """Config, error completion and the async front live once in generation/interface.py;
+    neither backend (nor the seam) imports the other backend's modules."""
+    graph = _imports()
+    native = {
+        "torchtitan_rl.generation.engine",
+        "torchtitan_rl.generation.model_runner",
+        "torchtitan_rl.generation.scheduler",
+    }
+    vllm = {"torchtitan_rl.generation.vllm_engine", "torchtitan_rl.generation.vllm_support"}
+    assert "torchtitan_rl.generation.interface" in graph["torchtitan_rl.generation.engine"]
+    assert "torchtitan_rl.generation.interface" in graph["torchtitan_rl.generation.vllm_engine"]
+    for module in vllm:
+        assert not graph[module] & native, module
+    assert not graph["torchtitan_rl.generation.engine"] & vllm
+    assert not graph["torchtitan_rl.generation.interface"] & (native | vllm)

@@ -19,7 +19,8 @@ pytest.importorskip("vllm")
 from torchtitan_rl.actors.generator import build_engine  # noqa: E402
 from torchtitan_rl.config import load_config  # noqa: E402
 from torchtitan_rl.controller.loop import Controller  # noqa: E402
-from torchtitan_rl.generation.engine import Engine, EngineConfig  # noqa: E402
+from torchtitan_rl.generation.engine import Engine  # noqa: E402
+from torchtitan_rl.generation.interface import EngineConfig  # noqa: E402
 from torchtitan_rl.models.hf_export import export_hf  # noqa: E402
 from torchtitan_rl.models.qwen3 import ModelConfig, build_model  # noqa: E402
 from torchtitan_rl.models.tokenizer import Tokenizer  # noqa: E402
@@ -160,7 +161,8 @@ def test_weights_apply_with_a_version_and_never_reuse_older_keys(engines):
 def test_hot_swap_mid_request_keeps_versions_and_never_serves_old_keys(engines):
     """Weights pulled while a request runs: it finishes with the tokens of both versions
     (min < max); a request arriving meanwhile waits for the prefix cache reset, so it reuses
-    no block computed under the old weights."""
+    no block computed under the old weights and gives the native engine's tokens on the new
+    ones (the native engine's hot-swap test in test_engine_paged.py checks the same)."""
     loop, vllm_engine, native = engines
     before = vllm_engine.policy_version
 
@@ -175,15 +177,18 @@ def test_hot_swap_mid_request_keeps_versions_and_never_serves_old_keys(engines):
         await asyncio.sleep(0)
         state = {k: v * 0.97 for k, v in native.runner.model.state_dict().items()}
         vllm_engine.load_weights(state, before + 1)
-        late = await vllm_engine.generate(
-            PROMPT, request_id="late", sampling=SamplingParams(temperature=0.0, max_tokens=2)
-        )
-        return await long, late
+        greedy = SamplingParams(temperature=0.0, max_tokens=2)
+        late = await vllm_engine.generate(PROMPT, request_id="late", sampling=greedy)
+        native.load_weights(state, before + 1)
+        reference = await native.generate(PROMPT, request_id="late", sampling=greedy)
+        return await long, late, reference
 
-    long, late = _run(loop, run())
+    long, late, reference = _run(loop, run())
     assert (long.policy_version_min, long.policy_version_max) == (before, before + 1)
     assert late.policy_version_min == before + 1
     assert late.metrics["generator/prefix_hit_tokens"] == 0
+    np.testing.assert_array_equal(late.token_ids_N, reference.token_ids_N)
+    np.testing.assert_allclose(late.logprobs_N, reference.logprobs_N, atol=TOL, rtol=0)
 
 
 @pytest.mark.slow

@@ -83,7 +83,7 @@ def test_without_target_loss_or_out_of_reach_the_warm_start_runs_all_steps(tmp_p
         (["--warm_start.target_loss=-1"], "warm_start.target_loss must be finite and >= 0, got -1"),
         (
             ["--warm_start.target_loss=nan"],
-            "warm_start.target_loss must be a finite number, got nan",
+            "warm_start.target_loss must be finite and >= 0, got nan",
         ),
     ],
 )

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_rl.generation.engine import Engine, EngineConfig
+from torchtitan_rl.generation.engine import Engine
+from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models import qwen3

@@ -12,10 +12,10 @@ from monarch.actor import Actor, concurrent_endpoint
 
 from torchtitan_rl.actors.fault_log import enable_fault_log
 from torchtitan_rl.device import pick_device
-from torchtitan_rl.generation.engine import Engine, EngineConfig
-from torchtitan_rl.generation.interface import GenerationEngine
+from torchtitan_rl.generation.engine import Engine
+from torchtitan_rl.generation.interface import EngineConfig, GenerationEngine, error_completion
 from torchtitan_rl.models.qwen3 import ModelConfig, build_model, model_args
-from torchtitan_rl.types import Completion, FinishReason, SamplingParams
+from torchtitan_rl.types import Completion, SamplingParams
 from torchtitan_rl.weight_sync.packing import (
     PackedWeights,
     SharedReader,
@@ -32,10 +32,10 @@ def build_engine(
     if engine.backend == "vllm":
         from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-        from torchtitan_rl.generation.vllm_engine import VllmEngine
+        from torchtitan_rl.generation.vllm_engine import start_vllm_engine
 
         adapter = Qwen3StateDictAdapter(model_args(model, vocab_size), None)
-        return VllmEngine(hf_folder, engine, device, state_dict_adapter=adapter)
+        return start_vllm_engine(hf_folder, engine, device, state_dict_adapter=adapter)
     return Engine(build_model(model, vocab_size, device), engine, device)
 
 
@@ -74,13 +74,7 @@ class GeneratorActor(Actor):
                 prompt_ids, request_id=request_id, session_id=session_id, sampling=sampling
             )
         except Exception as e:  # an escaping error would kill the actor: report it per request
-            return Completion(
-                request_id=request_id,
-                token_ids_N=np.zeros(0, np.int32),
-                logprobs_N=np.zeros(0, np.float32),
-                finish_reason=FinishReason.ERROR,
-                error=f"{type(e).__name__}: {e}",
-            )
+            return error_completion(request_id, f"{type(e).__name__}: {e}")
 
     @concurrent_endpoint
     async def load_weights(self, packed: PackedWeights) -> int:

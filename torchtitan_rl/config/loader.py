@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from torchtitan_rl.config.job import (
 )
 from torchtitan_rl.envs import resolve_environment
 from torchtitan_rl.envs.base import EnvConfig
-from torchtitan_rl.generation.engine import EngineConfig
+from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.generation.vllm_engine import CPU_BLOCK_MULTIPLE
 from torchtitan_rl.losses.corrections import CorrectionConfig, check_objective
 from torchtitan_rl.losses.policy_loss import LossConfig
@@ -149,8 +148,6 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
                 f"{key} must be one of {', '.join(map(repr, choices))}; got {value!r}"
             )
         return value
-    if hint is float and isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{key} must be a finite number, got {value!r}")
     if hint is bool:
         ok = isinstance(value, bool)
     elif hint is int:

@@ -31,15 +31,12 @@ from torchtitan.models.qwen3 import Qwen3Model
 from torchtitan.models.qwen3.model.model import precompute_rope_cache
 
 from torchtitan_rl.device import to_device_async
+from torchtitan_rl.generation.interface import DECODE_ATTENTION
 from torchtitan_rl.generation.kv_cache import PagedKVCache
 from torchtitan_rl.generation.paged_attention import paged_decode_attention
 
 PACKED_QKV, PACKED_W13 = "packed_qkv_weight", "packed_w13_weight"
 """Buffers that `ModelRunner.pack_projections` adds to attention and feed-forward modules."""
-DECODE_ATTENTION = ("auto", "gather", "triton")
-"""Decode attention: "gather" (blocks gathered, batched matmuls; any device), "triton"
-(reads the paged cache in place; CUDA only; 3.9x the engine throughput of "gather" on an
-H200, scripts/bench_generate.py) or "auto" (triton on CUDA, else gather)."""
 
 
 @dataclass(kw_only=True, slots=True)

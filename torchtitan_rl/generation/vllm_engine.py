@@ -1,10 +1,9 @@
 """vLLM behind the generator's engine interface (`generator.backend = "vllm"`).
 
 vLLM's engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), started from a
-Hugging Face folder. An asyncio task drives it like the native engine's loop:
-
-    PULL_WEIGHTS (between engine steps, never inside one) -> ADMIT (our queue -> vLLM)
-    -> up to `max_steps_per_iteration` engine steps -> yield to the event loop
+Hugging Face folder. The seam's `EngineFront` (generation/interface.py) drives it like the
+native engine: pull weights (between engine steps, never inside one) -> admit (our queue ->
+vLLM) -> up to `max_steps_per_iteration` engine steps -> yield to the event loop.
 
 What the trainer needs from a completion, and how it comes out of vLLM:
 - log-probs of the sampled tokens after temperature and top-k/top-p (`logprobs_mode =
@@ -13,12 +12,14 @@ What the trainer needs from a completion, and how it comes out of vLLM:
   Model Runner V2, which needs Triton on the device (the CPU build has none), so the support
   is read off the full processed log-prob row (`logprobs = -1`): the kept ids are the finite
   entries. Exact, and paid only by requests that ask for it (`return_support`);
-- the policy version: every `load_weights` labels vLLM's weight version, and a completion
-  carries the lowest and highest version its tokens were sampled under.
+- the policy version: a completion carries the lowest and highest version its tokens were
+  sampled under, labelled by vLLM where the release can (`set_weight_version`), else by the
+  backend's own step bookkeeping (generation/vllm_support.py, which also gates releases).
 
 Weights arrive with torchtitan names; they are renamed to Hugging Face's and loaded with
 vLLM's in-place reload (`reload_weights`), which also handles its CPU kernels' repacked
-layouts. The prefix cache is reset at every pull, so no request admitted afterwards reuses
+layouts; tensors already on the GPU (CUDA IPC transport) load device to device
+(`vllm_support.weight_path`, logged). The prefix cache is reset at every pull, so no request admitted afterwards reuses
 keys/values of older weights: with requests still running (hot swap), vLLM can only reset
 once they have finished, so new requests wait in our queue until then (or, with
 `recompute_on_sync`, the running ones are preempted and re-prefilled under the new weights).
@@ -27,16 +28,27 @@ once they have finished, so new requests wait in our queue until then (or, with
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from torchtitan_rl.generation.engine import EngineConfig, request_error
+from torchtitan_rl.generation.interface import EngineConfig, EngineFront, error_completion
+from torchtitan_rl.generation.vllm_support import (
+    VllmFeatures,
+    check_vllm_version,
+    detect_features,
+    weight_path,
+)
 from torchtitan_rl.types import Completion, FinishReason, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 CPU_BLOCK_MULTIPLE = 32
@@ -51,7 +63,10 @@ class _Pending:
     future: asyncio.Future
     arrival_s: float
     admitted_s: float = 0.0
-    versions: list[int] = field(default_factory=list)
+    versions: set[int] = field(default_factory=set)
+    """Versions its tokens were sampled under, where the backend labels them itself."""
+    num_seen: int = 0
+    """Output tokens already labelled."""
 
 
 def kv_cache_bytes(config: EngineConfig, hf_config: dict) -> int:
@@ -65,166 +80,157 @@ def kv_cache_bytes(config: EngineConfig, hf_config: dict) -> int:
     return config.total_blocks() * config.block_size * per_token
 
 
-class VllmEngine:
-    """The generator engine over vLLM (module docstring). Same interface as `Engine`:
-    `generate`, `load_weights`, `policy_version`, `close`."""
+def start_vllm_engine(
+    hf_folder: str, config: EngineConfig, device: torch.device, *, state_dict_adapter
+) -> VllmEngine:
+    """vLLM started from `hf_folder` in this process, behind `VllmEngine`. Raises ValueError
+    (one line) for a vLLM release outside `vllm_support.SUPPORTED_VLLM`."""
+    config.validate()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+    from vllm import EngineArgs
+    from vllm import SamplingParams as VllmSampling
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    with open(os.path.join(hf_folder, "config.json")) as f:
+        hf_config = json.load(f)
+    args = EngineArgs(
+        model=hf_folder,
+        skip_tokenizer_init=True,
+        dtype=config.dtype,
+        seed=0,
+        max_model_len=config.max_seq_len,
+        max_num_seqs=config.max_num_seqs,
+        block_size=config.block_size,
+        kv_cache_memory_bytes=kv_cache_bytes(config, hf_config),
+        enable_prefix_caching=config.enable_prefix_cache,
+        enforce_eager=device.type != "cuda" or not config.cuda_graphs,
+        logprobs_mode="processed_logprobs",
+        max_logprobs=-1,
+    )
+    llm = LLMEngine.from_engine_args(args)
+    features = detect_features(llm)
+    logger.info("vLLM %s on %s: %s", vllm.__version__, device, features.describe())
+    return VllmEngine(
+        llm,
+        config,
+        vocab_size=int(hf_config["vocab_size"]),
+        state_dict_adapter=state_dict_adapter,
+        sampling_class=VllmSampling,
+        features=features,
+        cleanup=cleanup_dist_env_and_memory,
+    )
+
+
+class VllmEngine(EngineFront):
+    """The generator engine over vLLM (module docstring), built by `start_vllm_engine`.
+    Same interface as `Engine`: `generate`, `load_weights`, `policy_version`, `close`."""
 
     def __init__(
         self,
-        hf_folder: str,
+        llm,
         config: EngineConfig,
-        device: torch.device,
         *,
+        vocab_size: int,
         state_dict_adapter,
+        sampling_class: Callable,
+        features: VllmFeatures,
+        cleanup: Callable[[], None] = lambda: None,
     ) -> None:
-        config.validate()
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
-        import json
-
-        from vllm import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
-
-        hf_config = json.loads(open(os.path.join(hf_folder, "config.json")).read())
-        self.config = config
-        self.vocab_size = int(hf_config["vocab_size"])
+        """`llm`: a started vLLM `LLMEngine`; `sampling_class`: vLLM's `SamplingParams`;
+        `cleanup`: run at close, after vLLM shut down (undoes its process group)."""
+        super().__init__(config)
+        self.vocab_size = vocab_size
+        self._llm = llm
         self._adapter = state_dict_adapter
-        args = EngineArgs(
-            model=hf_folder,
-            skip_tokenizer_init=True,
-            dtype=config.dtype,
-            seed=0,
-            max_model_len=config.max_seq_len,
-            max_num_seqs=config.max_num_seqs,
-            block_size=config.block_size,
-            kv_cache_memory_bytes=kv_cache_bytes(config, hf_config),
-            enable_prefix_caching=config.enable_prefix_cache,
-            enforce_eager=device.type != "cuda" or not config.cuda_graphs,
-            logprobs_mode="processed_logprobs",
-            max_logprobs=-1,
-        )
-        self._llm = LLMEngine.from_engine_args(args)
-        self._version = 0
-        self._llm.set_weight_version("0")
+        self._sampling_class = sampling_class
+        self._features = features
+        self._cleanup = cleanup
         self._waiting: list[_Pending] = []
         self._running: dict[str, _Pending] = {}
-        self._pending_weights: list[tuple[dict[str, torch.Tensor], int]] = []
         self._cache_stale = False
         self._next_id = 0
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
+        self._weight_path = ""
+        if features.weight_versions:
+            llm.set_weight_version("0")
 
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
-    async def generate(
-        self,
-        prompt_ids: np.ndarray,
-        *,
-        request_id: str,
-        session_id: str | None = None,
-        sampling: SamplingParams | None = None,
-    ) -> Completion:
-        """One completion; an invalid request comes back as an ERROR completion. Multi-turn
-        sessions and group siblings share blocks through vLLM's prefix cache."""
-        if self._closed:
-            raise RuntimeError("engine closed")
-        sampling = sampling if sampling is not None else SamplingParams()
-        error = request_error(prompt_ids, sampling, self.config.max_seq_len, self.vocab_size)
-        if error is not None:
-            return self._error(request_id, error)
-        self._ensure_loop()
-        request = _Pending(
-            request_id=request_id,
-            prompt_ids=np.asarray(prompt_ids).astype(np.int64).tolist(),
-            sampling=sampling,
-            future=asyncio.get_running_loop().create_future(),
-            arrival_s=time.perf_counter(),
+    # ---- the verbs the front's loop calls (generation/interface.py) ----------------------
+    def _enqueue(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, future
+    ) -> None:
+        self._waiting.append(
+            _Pending(
+                request_id=request_id,
+                prompt_ids=prompt_ids,
+                sampling=sampling,
+                future=future,
+                arrival_s=time.perf_counter(),
+            )
         )
-        self._waiting.append(request)
-        self._wake.set()
-        return await request.future
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Queues new weights (torchtitan names, full tensors), applied between steps."""
-        if self._closed:
-            raise RuntimeError("engine closed")
-        self._pending_weights.append((state, version))
-        if self._task is None:
-            self._pull_weights()
-        else:
-            self._wake.set()
+    def _has_waiting(self) -> bool:
+        return bool(self._waiting)
 
-    async def close(self) -> None:
-        """Fails outstanding requests, stops the loop, shuts vLLM down and undoes the
-        process group its in-process engine core made (so the process can make its own)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._fail_all("engine closed")
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    def _has_running(self) -> bool:
+        return bool(self._running)
 
-        self._llm.engine_core.shutdown()
-        del self._llm
-        cleanup_dist_env_and_memory()
-
-    # ---- the loop ---------------------------------------------------------------------
-    def _ensure_loop(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
-        elif self._task.done():
-            raise RuntimeError("engine loop stopped") from self._task.exception()
-
-    async def _loop(self) -> None:
-        try:
-            while True:
-                if not (self._waiting or self._running or self._pending_weights):
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                self._iteration()
-                await asyncio.sleep(0)
-        except Exception as exc:
-            self._fail_all(f"engine loop failed: {exc!r}")
-            raise
-
-    def _iteration(self) -> None:
-        drain = self.config.weight_sync_mode == "drain"
-        if self._pending_weights and not (drain and self._running):
-            self._pull_weights()
+    def _may_admit(self) -> bool:
+        """No request is admitted while a pull's prefix cache reset is still pending."""
         if self._cache_stale:
             self._cache_stale = not self._llm.reset_prefix_cache()
-        if self._waiting and not self._cache_stale and not (drain and self._pending_weights):
-            self._admit()
-        for _ in range(self.config.max_steps_per_iteration):
+        return not self._cache_stale
+
+    def _steps(self, num_steps: int) -> None:
+        for _ in range(num_steps):
             if not self._running:
                 break
             self._step()
 
+    def _drop_all(self) -> list[asyncio.Future]:
+        futures = [r.future for r in [*self._waiting, *self._running.values()]]
+        if self._running and not self._closed:
+            self._llm.abort_request(list(self._running))
+        self._waiting.clear()
+        self._running.clear()
+        return futures
+
+    def _shutdown(self) -> None:
+        """Shuts vLLM down and undoes the process group its in-process engine core made
+        (so the process can make its own)."""
+        self._llm.engine_core.shutdown()
+        self._llm = None
+        self._cleanup()
+
     def _pull_weights(self) -> None:
+        before = self._version
         for state, version in self._pending_weights:
+            path = weight_path(state)
+            if path != self._weight_path:
+                logger.info("vLLM %s", path)
+                self._weight_path = path
             hf_state = self._adapter.to_hf(state)
             self._llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": hf_state.items()}
             )
             self._version = version
         self._pending_weights.clear()
-        self._llm.set_weight_version(str(self._version))
+        if self._features.weight_versions:
+            self._llm.set_weight_version(str(self._version))
+        else:  # a batch may still be in flight under the old weights (vllm_support)
+            for request in self._running.values():
+                request.versions.add(before)
         reset = self._llm.reset_prefix_cache(reset_running_requests=self.config.recompute_on_sync)
         self._cache_stale = not reset
 
     def _admit(self) -> None:
-        from vllm import SamplingParams as VllmSampling
-
         now = time.perf_counter()
         for request in self._waiting:
             s = request.sampling
             room = self.config.max_seq_len - len(request.prompt_ids)
-            params = VllmSampling(
+            params = self._sampling_class(
                 n=1,
                 temperature=s.temperature,
                 top_p=s.top_p,
@@ -242,8 +248,9 @@ class VllmEngine:
                 self._llm.add_request(vllm_id, {"prompt_token_ids": request.prompt_ids}, params)
             except Exception as e:  # vLLM refused this request: it alone fails
                 if not request.future.done():
+                    error = f"{type(e).__name__}: {e}"
                     request.future.set_result(
-                        self._error(request.request_id, f"{type(e).__name__}: {e}")
+                        error_completion(request.request_id, error, self._version)
                     )
                 continue
             request.admitted_s = now
@@ -257,8 +264,16 @@ class VllmEngine:
         if not self._running:
             return
         for output in self._llm.step():
-            if output.finished and output.request_id in self._running:
-                request = self._running.pop(output.request_id)
+            request = self._running.get(output.request_id)
+            if request is None:
+                continue
+            if not self._features.weight_versions:
+                num_tokens = len(output.outputs[0].token_ids)
+                if num_tokens > request.num_seen:
+                    request.versions.add(self._version)
+                    request.num_seen = num_tokens
+            if output.finished:
+                del self._running[output.request_id]
                 if not request.future.done():
                     request.future.set_result(self._completion(request, output))
 
@@ -280,7 +295,11 @@ class VllmEngine:
             )
             sizes = [len(k) for k in kept]
             support_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
-        versions = [int(span.version) for span in out.weight_versions or []] or [self._version]
+        if self._features.weight_versions:
+            versions = [int(span.version) for span in out.weight_versions or []]
+        else:
+            versions = sorted(request.versions)
+        versions = versions or [self._version]
         now = time.perf_counter()
         return Completion(
             request_id=request.request_id,
@@ -298,23 +317,3 @@ class VllmEngine:
                 "generator/prefix_hit_tokens": float(output.num_cached_tokens or 0),
             },
         )
-
-    def _error(self, request_id: str, error: str) -> Completion:
-        return Completion(
-            request_id=request_id,
-            token_ids_N=np.zeros(0, dtype=np.int32),
-            logprobs_N=np.zeros(0, dtype=np.float32),
-            finish_reason=FinishReason.ERROR,
-            policy_version_min=self._version,
-            policy_version_max=self._version,
-            error=error,
-        )
-
-    def _fail_all(self, message: str) -> None:
-        for request in [*self._waiting, *self._running.values()]:
-            if not request.future.done():
-                request.future.set_exception(RuntimeError(message))
-        if self._running and not self._closed:
-            self._llm.abort_request(list(self._running))
-        self._waiting.clear()
-        self._running.clear()

@@ -40,6 +40,7 @@ Shape suffixes: N = loss tokens of this microbatch, S = sequences of the whole s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,9 +67,10 @@ class LossConfig:
     name: str = "grpo"
     """Policy loss: one of LOSSES (grpo | dapo | dr_grpo | gspo | cispo)."""
     clip_low: float = 0.2
-    """Lower clip: ratios below 1 - clip_low stop pushing down (grpo family); in [0, 1)."""
+    """Lower clip: ratios below 1 - clip_low stop pushing down (grpo family); in
+    [0, 1 - e^-20] (past it the log-ratio cap would let a clipped token push again)."""
     clip_high: float = 0.2
-    """Upper clip: ratios above 1 + clip_high stop pushing up, finite and >= 0; DAPO wants
+    """Upper clip: ratios above 1 + clip_high stop pushing up, in [0, e^20 - 1); DAPO wants
     more, e.g. 0.28."""
     aggregation: str = "token_mean"
     """token_mean | seq_mean_token_mean | seq_mean_token_sum; dapo and dr_grpo fix their own."""
@@ -104,8 +106,10 @@ class LossConfig:
                 f"loss.aggregation={self.aggregation!r} has no effect with loss.name="
                 f"{self.name!r}, which always aggregates as {fixed!r}; leave it at 'token_mean'"
             )
-        check_range("loss.clip_low", self.clip_low, ge=0, lt=1)
-        check_range("loss.clip_high", self.clip_high, ge=0)
+        # the clip decides on the capped ratio: a bound past e^+-20 would let the cap turn a
+        # clipped token's gradient back on
+        check_range("loss.clip_low", self.clip_low, ge=0, le=1 - math.exp(-LOG_RATIO_CLAMP))
+        check_range("loss.clip_high", self.clip_high, ge=0, lt=math.exp(LOG_RATIO_CLAMP) - 1)
         if self.name == "dapo" and self.clip_high <= self.clip_low:
             raise ValueError(
                 f"loss.clip_high must exceed loss.clip_low for dapo (e.g. 0.28 vs 0.2), "
