@@ -2,10 +2,11 @@
 trained per second, and who waits for whom, at each rollout.max_staleness.
 
     python scripts/bench_async.py --out outputs/bench_async \\
-        --staleness 0 1 2 --prompts 8 32 --common "--warm_start.steps=60 --training.steps=8"
+        --staleness 0 1 1s 2 --prompts 8 32 --common "--warm_start.steps=60 --training.steps=8"
 
 Runs `./run_train.sh` (CONFIG_FILE as in the environment, default the 0.6B GPU job) once per
-(staleness, prompts_per_step) pair, one after another, and reads each run's TensorBoard
+(staleness, prompts_per_step) pair, one after another (a staleness "1s" runs rollout.ahead =
+"streaming", a plain number "pipelined"), and reads each run's TensorBoard
 scalars. Steps 1-2 pay one-time costs (compile, the pipeline filling) and are left out of the
 means. The physical floor of an overlapped step is max(generation, training) + sync: the
 synchronous step pays generation + training + sync.
@@ -44,7 +45,7 @@ SKIP_STEPS = 2
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="job.output_dir of every run")
-    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--staleness", nargs="+", default=["0", "1", "1s", "2"])
     p.add_argument("--prompts", type=int, nargs="+", default=[8, 32], help="prompts_per_step")
     p.add_argument("--common", default="", help="overrides for every run")
     return p.parse_args()
@@ -78,8 +79,9 @@ def main() -> None:
     for prompts in args.prompts:
         for n in args.staleness:
             name = f"n{n}_p{prompts}"
-            overrides = [*shlex.split(args.common), f"--rollout.max_staleness={n}",
-                         f"--rollout.prompts_per_step={prompts}"]  # fmt: skip
+            ahead = "streaming" if n.endswith("s") else "pipelined"
+            overrides = [*shlex.split(args.common), f"--rollout.max_staleness={n.rstrip('s')}",
+                         f"--rollout.ahead={ahead}", f"--rollout.prompts_per_step={prompts}"]  # fmt: skip
             rows.append({"staleness": n, "prompts": prompts, **run_one(out, name, overrides)})
             print(json.dumps(rows[-1]), flush=True)
     cols = ("staleness", "prompts", "step_s", "floor_s", "gen_s", "train_s", "sync_s",
