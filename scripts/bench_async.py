@@ -7,8 +7,8 @@ trained per second, and who waits for whom, at each rollout.max_staleness.
 Runs `./run_train.sh` (CONFIG_FILE as in the environment, default the 0.6B GPU job) once per
 (staleness, prompts_per_step) pair, one after another (a staleness "1s" runs rollout.ahead =
 "streaming", a plain number "pipelined"), and reads each run's TensorBoard
-scalars. Steps 1-2 pay one-time costs (compile, the pipeline filling) and are left out of the
-means. The physical floor of an overlapped step is max(generation, training) + sync: the
+scalars. The first `--skip` steps pay one-time costs (compile, the pipeline filling) and are
+left out of the means. The physical floor of an overlapped step is max(generation, training) + sync: the
 synchronous step pays generation + training + sync.
 """
 
@@ -39,7 +39,6 @@ TAGS = {
     "staleness_max": "rollout/staleness/max",
     "reward": "rollout_reward/mean",
 }
-SKIP_STEPS = 2
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,10 +47,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--staleness", nargs="+", default=["0", "1", "1s", "2"])
     p.add_argument("--prompts", type=int, nargs="+", default=[8, 32], help="prompts_per_step")
     p.add_argument("--common", default="", help="overrides for every run")
+    p.add_argument("--skip", type=int, default=2, help="first RL steps left out of the means")
     return p.parse_args()
 
 
-def run_one(out: Path, name: str, overrides: list[str]) -> dict:
+def run_one(out: Path, name: str, overrides: list[str], skip: int) -> dict:
     cmd = ["./run_train.sh", *overrides, f"--job.output_dir={out}", f"--job.run_name={name}"]
     env = {**os.environ}
     env.setdefault("CONFIG_FILE", "train_configs/alphabet_sort_qwen3_0.6b.toml")
@@ -64,7 +64,7 @@ def run_one(out: Path, name: str, overrides: list[str]) -> dict:
         return row
     scalars = read_scalars(tb)
     for key, tag in TAGS.items():
-        values = [v for s, v in scalars.get(tag, []) if s > SKIP_STEPS]
+        values = [v for s, v in scalars.get(tag, []) if s > skip]
         row[key] = statistics.fmean(values) if values else float("nan")
     row["tokens_per_s"] = row["tokens"] / row["step_s"]
     row["floor_s"] = max(row["gen_s"], row["train_s"]) + row["sync_s"]
@@ -82,7 +82,9 @@ def main() -> None:
             ahead = "streaming" if n.endswith("s") else "pipelined"
             overrides = [*shlex.split(args.common), f"--rollout.max_staleness={n.rstrip('s')}",
                          f"--rollout.ahead={ahead}", f"--rollout.prompts_per_step={prompts}"]  # fmt: skip
-            rows.append({"staleness": n, "prompts": prompts, **run_one(out, name, overrides)})
+            rows.append(
+                {"staleness": n, "prompts": prompts, **run_one(out, name, overrides, args.skip)}
+            )
             print(json.dumps(rows[-1]), flush=True)
     cols = ("staleness", "prompts", "step_s", "floor_s", "gen_s", "train_s", "sync_s",
             "trainer_wait_s", "generator_wait_s", "tokens_per_s", "staleness_max")  # fmt: skip
