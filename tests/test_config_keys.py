@@ -72,11 +72,22 @@ def test_export_dtype_is_the_dtype_of_the_exported_weights(tmp_path, dtype):
 
 
 def test_cpu_threads_split_the_cores_within_each_role_unless_set(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     assert ParallelismConfig(cpu_threads_per_proc=3).threads(2) == 3
     assert ParallelismConfig().threads(2) == 4  # two trainers run at once: half each
     assert ParallelismConfig().threads(1) == 8  # one generator runs alone: every core
     assert ParallelismConfig().threads(16) == 1
+
+
+def test_overlapped_steps_split_the_cores_over_every_process(monkeypatch):
+    from torchtitan_rl.config import load_config
+    from torchtitan_rl.controller.launcher import _at_once
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
+    sync = load_config(None, ["--parallelism.trainer_procs=2"])
+    overlapped = load_config(None, ["--parallelism.trainer_procs=2", "--rollout.max_staleness=1"])
+    assert [sync.parallelism.threads(_at_once(sync, n)) for n in (2, 1)] == [1, 2]
+    assert [overlapped.parallelism.threads(_at_once(overlapped, n)) for n in (2, 1)] == [1, 1]
 
 
 def test_decode_attention_picks_the_kernel_and_refuses_triton_on_cpu():

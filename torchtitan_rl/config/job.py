@@ -41,20 +41,22 @@ class ParallelismConfig:
     device: Device = "auto"
     """"auto" (CUDA when present, else CPU), "cpu" or "cuda"."""
     cpu_threads_per_proc: int = 0
-    """torch threads in each trainer/generator process on CPU; 0 = each role gets the cores
-    split over its own processes (trainers: cores / trainer_procs; generators: cores /
-    generator replicas). The loop is synchronous, so the trainers wait while the generators
-    run and the other way round; oversubscribed cores within one phase made tiny-model steps
-    ~10x slower on a 2-core machine."""
+    """torch threads in each trainer/generator process on CPU; 0 = the cores this process may
+    run on (its CPU affinity: taskset, cgroups) split over the processes that run at once.
+    Synchronous steps (rollout.max_staleness = 0): within each role, since the trainers wait
+    while the generators run and the other way round (trainers: cores / trainer_procs;
+    generators: cores / generator replicas). Steps that overlap (max_staleness >= 1): over
+    every trainer and generator process. Oversubscribed cores made tiny-model steps ~10x
+    slower on a 2-core machine."""
 
     def threads(self, procs: int) -> int:
-        """torch threads per process of a role with `procs` processes on CPU: the set value,
-        or the cores split over them."""
+        """torch threads per process when `procs` processes compute at once on CPU: the set
+        value, or the usable cores split over them."""
         import os
 
         if self.cpu_threads_per_proc:
             return self.cpu_threads_per_proc
-        return max(1, (os.cpu_count() or 1) // procs)
+        return max(1, len(os.sched_getaffinity(0)) // procs)
 
     @property
     def dp(self) -> int:

@@ -107,7 +107,7 @@ def spawn_trainer(mesh, config: Config, *, vocab_size: int, log_dir: str) -> Tra
         vocab_size=vocab_size,
         device=cfg.parallelism.device,
         seed=cfg.job.seed,
-        cpu_threads=cfg.parallelism.threads(cfg.parallelism.trainer_procs),
+        cpu_threads=cfg.parallelism.threads(_at_once(cfg, cfg.parallelism.trainer_procs)),
         tp=cfg.parallelism.tp,
         log_dir=log_dir,
     )
@@ -127,13 +127,21 @@ def spawn_generators(
             engine=cfg.generator,
             vocab_size=vocab_size,
             device=cfg.parallelism.device,
-            cpu_threads=cfg.parallelism.threads(len(meshes)),
+            cpu_threads=cfg.parallelism.threads(_at_once(cfg, len(meshes))),
             actor_name=name,
             log_dir=log_dir,
             hf_folder=hf_folder,
         )
         for name, mesh in zip(names, meshes, strict=True)
     ]
+
+
+def _at_once(config: Config, role_procs: int) -> int:
+    """Processes computing at the same time as one of a role's `role_procs`: its own role in
+    synchronous steps; every trainer and generator process when steps overlap."""
+    if config.rollout.max_staleness == 0:
+        return role_procs
+    return config.parallelism.trainer_procs + config.generator.num_replicas
 
 
 async def stop_meshes(meshes: list) -> None:
