@@ -43,7 +43,8 @@ TAGS = {
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="job.output_dir of every run")
+    p.add_argument("--out", default="", help="job.output_dir of every run ($OUT/bench_async)")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU job, 3 steps, staleness 0 and 1")
     p.add_argument("--staleness", nargs="+", default=["0", "1", "1s", "2"])
     p.add_argument("--prompts", type=int, nargs="+", default=[8, 32], help="prompts_per_step")
     p.add_argument("--common", default="", help="overrides for every run")
@@ -51,10 +52,18 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def run_one(out: Path, name: str, overrides: list[str], skip: int) -> dict:
+SMOKE = (
+    "--parallelism.device=cpu --warm_start.steps=2 --training.steps=3 --validation.interval=0 "
+    "--checkpoint.interval=0 --rollout.group_size=2 --rollout.max_tokens=16 "
+    "--validation.max_tokens=16 --rollout.filter_zero_std_groups=false "
+    "--generator.max_num_seqs=8"
+)
+"""A job small enough for the test suite: the tiny model on CPU, 3 RL steps."""
+
+
+def run_one(out: Path, name: str, overrides: list[str], skip: int, config: str) -> dict:
     cmd = ["./run_train.sh", *overrides, f"--job.output_dir={out}", f"--job.run_name={name}"]
-    env = {**os.environ}
-    env.setdefault("CONFIG_FILE", "train_configs/alphabet_sort_qwen3_0.6b.toml")
+    env = {**os.environ, "CONFIG_FILE": os.environ.get("CONFIG_FILE", config)}
     t0 = time.perf_counter()
     with (out / f"{name}.log").open("w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -73,7 +82,11 @@ def run_one(out: Path, name: str, overrides: list[str], skip: int) -> dict:
 
 def main() -> None:
     args = parse_args()
-    out = Path(args.out).resolve()
+    config = "train_configs/alphabet_sort_qwen3_0.6b.toml"
+    if args.smoke:
+        args.staleness, args.prompts, args.skip = ["0", "1"], [2], 0
+        args.common, config = f"{SMOKE} {args.common}", "train_configs/alphabet_sort_tiny.toml"
+    out = Path(args.out or Path(os.environ.get("OUT", "outputs")) / "bench_async").resolve()
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for prompts in args.prompts:
@@ -83,7 +96,11 @@ def main() -> None:
             overrides = [*shlex.split(args.common), f"--rollout.max_staleness={n.rstrip('s')}",
                          f"--rollout.ahead={ahead}", f"--rollout.prompts_per_step={prompts}"]  # fmt: skip
             rows.append(
-                {"staleness": n, "prompts": prompts, **run_one(out, name, overrides, args.skip)}
+                {
+                    "staleness": n,
+                    "prompts": prompts,
+                    **run_one(out, name, overrides, args.skip, config),
+                }
             )
             print(json.dumps(rows[-1]), flush=True)
     cols = ("staleness", "prompts", "step_s", "floor_s", "gen_s", "train_s", "sync_s",

@@ -169,10 +169,15 @@ def test_finished_batches_are_what_a_checkpoint_keeps_and_idle_time_is_counted()
         await asyncio.sleep(0.05)
         assert pipeline.idle_seconds() >= 0.04
         restored = RolloutPipeline(collect, sequential=True)
-        restored.restore(pipeline.finished())
+        restored.restore(1, pipeline.finished())
         assert sorted(restored.done) == [1, 2] and restored.last_started == 2
         restored.fill(2)  # nothing left to start
         assert restored.tasks == {}
+        resumed = RolloutPipeline(collect, sequential=True)
+        resumed.restore(3, {})  # a synchronous run's checkpoint keeps no batch
+        resumed.fill(4)
+        assert sorted(resumed.tasks) == [4]  # steps 1-3 trained before the checkpoint
+        await resumed.close()
         await pipeline.close()
 
     asyncio.run(go())

@@ -43,12 +43,14 @@ class RolloutPipeline:
         """Batches restored from a checkpoint, ready before any task ran."""
         self.last_started = 0
         self._running = 0
-        self._idle_since: float | None = time.perf_counter()
+        self._idle_since: float | None = None
+        """Since when no batch has been generating (None before the first batch starts)."""
         self._idle_seconds = 0.0
 
-    def restore(self, batches: dict[int, CollectedBatch]) -> None:
+    def restore(self, step: int, batches: dict[int, CollectedBatch]) -> None:
+        """Continue after RL step `step` (a checkpoint's), with the batches it kept whole."""
         self.done.update(batches)
-        self.last_started = max([self.last_started, *batches])
+        self.last_started = max([step, *batches])
 
     def fill(self, upto: int) -> None:
         """Start the batches of every step up to `upto` not started yet."""
@@ -81,9 +83,10 @@ class RolloutPipeline:
         """Seconds no batch was generating since the last call (generators waiting for
         weights or room), then reset."""
         now = time.perf_counter()
-        idle = self._idle_seconds + (now - self._idle_since if self._running == 0 else 0.0)
+        waiting = self._running == 0 and self._idle_since is not None
+        idle = self._idle_seconds + (now - self._idle_since if waiting else 0.0)
         self._idle_seconds = 0.0
-        if self._running == 0:
+        if waiting:
             self._idle_since = now
         return idle
 

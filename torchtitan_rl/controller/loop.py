@@ -205,7 +205,7 @@ class Controller:
         self.supervisor.where = f"while loading {folder}"
         await resume.restore(self.trainer, folder, state)
         self.ledger = PromptLedger(next_fresh=state.next_sample, requeued=list(state.requeued))
-        self.pipeline.restore(resume.load_pending(folder))
+        self.pipeline.restore(state.step, resume.load_pending(folder))
         self.last_validation = state.last_validation
         for tag, series in state.history.items():
             self.metrics.history[tag] = [(int(s), float(v)) for s, v in series]
