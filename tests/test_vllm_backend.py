@@ -238,6 +238,46 @@ def test_three_rl_steps_through_monarch_with_vllm(tmp_path):
     assert max(m["rollout/num_turns/mean"] for m in steps) > 1, "multi-turn rollouts"
 
 
+@pytest.mark.slow
+def test_rl_steps_ahead_of_training_with_vllm(tmp_path):
+    """rollout.max_staleness = 1, streaming: vLLM takes new weights between its engine steps
+    while batches for later steps run; every trained token stays within one version."""
+    config = load_config(
+        ROOT / "train_configs" / "alphabet_sort_tiny.toml",
+        [
+            f"--job.output_dir={tmp_path}",
+            "--job.run_name=vllm_ahead",
+            "--generator.backend=vllm",
+            "--generator.block_size=32",
+            "--generator.max_num_seqs=16",
+            "--warm_start.steps=2",
+            "--warm_start.batch_size=4",
+            "--rollout.group_size=4",
+            "--rollout.prompts_per_step=2",
+            "--rollout.max_tokens=16",
+            "--rollout.filter_zero_std_groups=false",
+            "--rollout.max_staleness=1",
+            "--rollout.ahead=streaming",
+            "--validation.interval=0",
+            "--checkpoint.interval=0",
+            "--training.steps=4",
+        ],
+    )
+    controller = Controller(config, use_tqdm=False)
+
+    async def run():
+        try:
+            await controller.run()
+        finally:
+            await controller.close()
+
+    asyncio.run(run())
+    history = {tag: dict(series) for tag, series in controller.metrics.history.items()}
+    assert sorted(history["rollout/staleness/max"]) == [1, 2, 3, 4]
+    assert max(history["rollout/staleness/max"].values()) == 1.0
+    assert history["trainer/policy_version"][4] == 6.0
+
+
 def test_close_leaves_no_process_group(tmp_path):
     """vLLM's in-process engine core makes a torch.distributed group; close undoes it, so
     the process (a test session, an actor) can make its own afterwards."""
