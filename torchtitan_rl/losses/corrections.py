@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -45,17 +46,19 @@ from torchtitan_rl.checks import check_range
 from torchtitan_rl.losses.policy_loss import LOG_RATIO_CLAMP, LossConfig
 from torchtitan_rl.reductions import Metric
 
-LEVELS = ("none", "token", "sequence", "geometric")
-ACTIONS = ("truncate", "mask")
+Level = Literal["none", "token", "sequence", "geometric"]
+Action = Literal["truncate", "mask"]
+LEVELS = get_args(Level)
+ACTIONS = get_args(Action)
 
 
 @dataclass(kw_only=True, slots=True)
 class CorrectionConfig:
     """TOML section [correction]."""
 
-    level: str = "none"
+    level: Level = "none"
     """none | token | sequence (product of ratios) | geometric (exp of the mean log-ratio)."""
-    action: str = "truncate"
+    action: Action = "truncate"
     """truncate: clamp the weight to [ratio_min, ratio_max] (TIS) | mask: 0 outside it (MIS)."""
     ratio_min: float = 0.0
     """Lower edge of the band, finite and >= 0; 0 leaves it open."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -55,16 +56,20 @@ LOG_RATIO_CLAMP = 20.0
 """Bound on |log-ratio| before exp: exp(20) ~ 5e8 is finite in fp32, exp(89) is not. It caps
 the value only (`capped`): the gradient past it is the gradient at it."""
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-OLD_LOGPROBS = ("recompute", "generator")
+LossName = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+KlEstimator = Literal["k1", "k2", "k3"]
+OldLogprobs = Literal["recompute", "generator"]
+AGGREGATIONS = get_args(Aggregation)
+KL_ESTIMATORS = get_args(KlEstimator)
+OLD_LOGPROBS = get_args(OldLogprobs)
 
 
 @dataclass(kw_only=True, slots=True)
 class LossConfig:
     """TOML section [loss]."""
 
-    name: str = "grpo"
+    name: LossName = "grpo"
     """Policy loss: one of LOSSES (grpo | dapo | dr_grpo | gspo | cispo)."""
     clip_low: float = 0.2
     """Lower clip: ratios below 1 - clip_low stop pushing down (grpo family); in
@@ -72,7 +77,7 @@ class LossConfig:
     clip_high: float = 0.2
     """Upper clip: ratios above 1 + clip_high stop pushing up, in [0, e^20 - 1); DAPO wants
     more, e.g. 0.28."""
-    aggregation: str = "token_mean"
+    aggregation: Aggregation = "token_mean"
     """token_mean | seq_mean_token_mean | seq_mean_token_sum; dapo and dr_grpo fix their own."""
     dr_grpo_normalizer: float = 1024.0
     """dr_grpo only: constant per-sequence denominator, in tokens (usually the max length),
@@ -82,14 +87,14 @@ class LossConfig:
     kl_coef: float = 0.0
     """Weight of the KL penalty to a frozen reference policy, finite and >= 0; 0 disables
     (and keeps no reference in memory)."""
-    kl_estimator: str = "k3"
+    kl_estimator: KlEstimator = "k3"
     """k1: logp - ref | k2: (logp - ref)^2 / 2 | k3: exp(ref - logp) - (ref - logp) - 1
     (non-negative, lower variance)."""
     kl_reference: str = ""
     """Hugging Face folder of the reference policy (config.json and *.safetensors, checked
     when the config loads); "" uses the policy as RL starts (after the warm start). Only with
     kl_coef > 0."""
-    old_logprobs: str = "recompute"
+    old_logprobs: OldLogprobs = "recompute"
     """pi_old of the PPO ratio: "recompute" (one no-grad trainer forward per step, before the
     first update) | "generator" (the generator's log-probs mu; no extra forward)."""
 
@@ -188,13 +193,14 @@ def _cispo(tokens: _Tokens, config: LossConfig) -> tuple[Tensor, Tensor, Tensor]
     return loss_N, ratio_N, ratio_N > 1.0 + config.clip_high
 
 
-LOSSES: dict[str, PolicyLoss] = {
+LOSSES: dict[LossName, PolicyLoss] = {
     "grpo": PolicyLoss(surrogate=_ppo_clip, aggregation=None),
     "dapo": PolicyLoss(surrogate=_ppo_clip, aggregation="token_mean"),
     "dr_grpo": PolicyLoss(surrogate=_ppo_clip, aggregation="dr_grpo"),
     "gspo": PolicyLoss(surrogate=_gspo, aggregation=None),
     "cispo": PolicyLoss(surrogate=_cispo, aggregation=None),
 }
+assert tuple(LOSSES) == get_args(LossName)  # one list of names: the type's
 
 
 def policy_loss(

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from torchtitan_rl.checks import check_range
-from torchtitan_rl.device import DTYPE_NAMES
+from torchtitan_rl.device import DTYPE_NAMES, DtypeName
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,7 +31,7 @@ class TrainingConfig:
     """AdamW weight decay, finite and >= 0."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm, finite and >= 0; 0 disables."""
-    dtype: str = "float32"
+    dtype: DtypeName = "float32"
     """Parameter dtype for forward/backward: "float32" or "bfloat16" (GPU)."""
     compile: bool = False
     """Compile each transformer block with torch.compile (one graph per block: norms, RoPE,
