@@ -1,5 +1,6 @@
-"""Synchronous vs asynchronous RL steps, side by side: seconds per step, rollout tokens
-trained per second, and who waits for whom, at each rollout.max_staleness.
+"""RL steps side by side: synchronous vs asynchronous (rollout.max_staleness) and one
+generator backend against another (--backends native vllm): seconds per step, tokens trained
+per second, who waits for whom, time to first token and the generator/trainer log-prob gap.
 
     python scripts/bench_async.py --out outputs/bench_async \\
         --staleness 0 1 1s 2 --prompts 8 32 --common "--warm_start.steps=60 --training.steps=8"
@@ -15,6 +16,7 @@ synchronous step pays generation + training + sync.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -38,6 +40,9 @@ TAGS = {
     "tokens": "batcher/num_tokens",
     "staleness_max": "rollout/staleness/max",
     "reward": "rollout_reward/mean",
+    "ttft_ms": "generator/time_to_first_token_ms/mean",
+    "logprob_diff_mean": "trainer/logprob_diff/mean",
+    "logprob_diff_max": "trainer/logprob_diff/max",
 }
 
 
@@ -47,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny CPU job, 3 steps, staleness 0 and 1")
     p.add_argument("--staleness", nargs="+", default=["0", "1", "1s", "2"])
     p.add_argument("--prompts", type=int, nargs="+", default=[8, 32], help="prompts_per_step")
+    p.add_argument("--backends", nargs="+", default=["native"], help="generator.backend values")
     p.add_argument("--common", default="", help="overrides for every run")
     p.add_argument("--skip", type=int, default=2, help="first RL steps left out of the means")
     return p.parse_args()
@@ -89,22 +95,18 @@ def main() -> None:
     out = Path(args.out or Path(os.environ.get("OUT", "outputs")) / "bench_async").resolve()
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for prompts in args.prompts:
-        for n in args.staleness:
-            name = f"n{n}_p{prompts}"
-            ahead = "streaming" if n.endswith("s") else "pipelined"
-            overrides = [*shlex.split(args.common), f"--rollout.max_staleness={n.rstrip('s')}",
-                         f"--rollout.ahead={ahead}", f"--rollout.prompts_per_step={prompts}"]  # fmt: skip
-            rows.append(
-                {
-                    "staleness": n,
-                    "prompts": prompts,
-                    **run_one(out, name, overrides, args.skip, config),
-                }
-            )
-            print(json.dumps(rows[-1]), flush=True)
-    cols = ("staleness", "prompts", "step_s", "floor_s", "gen_s", "train_s", "sync_s",
-            "trainer_wait_s", "generator_wait_s", "tokens_per_s", "staleness_max")  # fmt: skip
+    for prompts, n, backend in itertools.product(args.prompts, args.staleness, args.backends):
+        name = f"n{n}_p{prompts}" + (f"_{backend}" if len(args.backends) > 1 else "")
+        ahead = "streaming" if n.endswith("s") else "pipelined"
+        overrides = [*shlex.split(args.common), f"--rollout.max_staleness={n.rstrip('s')}",
+                     f"--rollout.ahead={ahead}", f"--rollout.prompts_per_step={prompts}",
+                     f"--generator.backend={backend}"]  # fmt: skip
+        row = run_one(out, name, overrides, args.skip, config)
+        rows.append({"backend": backend, "staleness": n, "prompts": prompts, **row})
+        print(json.dumps(rows[-1]), flush=True)
+    cols = ("backend", "staleness", "prompts", "step_s", "floor_s", "gen_s", "train_s", "sync_s",
+            "trainer_wait_s", "generator_wait_s", "tokens_per_s", "staleness_max", "ttft_ms",
+            "logprob_diff_mean", "logprob_diff_max")  # fmt: skip
     print(" | ".join(cols))
     for row in rows:
         print(" | ".join(f"{row.get(c, float('nan')):.3f}" if isinstance(row.get(c), float)
