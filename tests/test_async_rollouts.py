@@ -165,19 +165,55 @@ def test_finished_batches_are_what_a_checkpoint_keeps_and_idle_time_is_counted()
         await asyncio.sleep(0.02)
         assert pipeline.idle_seconds() < 0.01  # batch 2 kept the generators busy
         collect.finish(2)
-        await pipeline.wait_done(2)
+        await pipeline.wait_done(2, 5.0, None)
         await asyncio.sleep(0.05)
         assert pipeline.idle_seconds() >= 0.04
         restored = RolloutPipeline(collect, sequential=True)
-        restored.restore(1, pipeline.finished())
-        assert sorted(restored.done) == [1, 2] and restored.last_started == 2
+        restored.restore(0, pipeline.finished())
         restored.fill(2)  # nothing left to start
+        assert sorted(restored.done) == [1, 2] and restored.last_started == 2
         assert restored.tasks == {}
         resumed = RolloutPipeline(collect, sequential=True)
         resumed.restore(3, {})  # a synchronous run's checkpoint keeps no batch
         resumed.fill(4)
         assert sorted(resumed.tasks) == [4]  # steps 1-3 trained before the checkpoint
         await resumed.close()
+        await pipeline.close()
+
+    asyncio.run(go())
+
+
+def test_a_resume_starts_again_a_batch_that_was_in_flight_between_kept_ones():
+    """Streaming, two steps ahead: the checkpoint after step 3 kept batch 5 (done) while batch
+    4 was still running; the resumed pipeline generates 4 again and serves 5 as kept."""
+
+    async def go():
+        collect = _Scripted()
+        kept = CollectedBatch(groups=[], next_index=0, rounds=1, filtered=[])
+        pipeline = RolloutPipeline(collect, sequential=False)
+        pipeline.restore(3, {5: kept})
+        pipeline.fill(6)
+        await _settle()
+        assert sorted(pipeline.tasks) == [4, 6] and collect.events == [("start", 4), ("start", 6)]
+        collect.finish(4)
+        assert (await pipeline.take(4, 5.0, None)).rounds == 1
+        assert await pipeline.take(5, 5.0, None) is kept
+        await pipeline.close()
+
+    asyncio.run(go())
+
+
+def test_waiting_for_a_batch_before_new_weights_go_out_is_bounded_too():
+    async def go():
+        collect = _Scripted()
+        pipeline = RolloutPipeline(collect, sequential=True)
+        pipeline.fill(2)
+
+        async def describe():
+            return "generator: 1 requests in flight"
+
+        with pytest.raises(BatchTimeout, match=r"^no batch for RL step 2 after 0.05 s"):
+            await pipeline.wait_done(2, 0.05, describe)
         await pipeline.close()
 
     asyncio.run(go())

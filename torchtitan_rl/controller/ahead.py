@@ -48,15 +48,18 @@ class RolloutPipeline:
         self._idle_seconds = 0.0
 
     def restore(self, step: int, batches: dict[int, CollectedBatch]) -> None:
-        """Continue after RL step `step` (a checkpoint's), with the batches it kept whole."""
+        """Continue after RL step `step` (a checkpoint's), with the batches it kept whole; a
+        step between them that was still in flight is started again by `fill`."""
         self.done.update(batches)
-        self.last_started = max([step, *batches])
+        self.last_started = step
 
     def fill(self, upto: int) -> None:
         """Start the batches of every step up to `upto` not started yet."""
         while self.last_started < upto:
             self.last_started += 1
             step = self.last_started
+            if step in self.done:
+                continue
             previous = self.tasks.get(step - 1) if self.sequential else None
             self.tasks[step] = asyncio.ensure_future(self._run(step, previous))
 
@@ -90,11 +93,20 @@ class RolloutPipeline:
             self._idle_since = now
         return idle
 
-    async def wait_done(self, step: int) -> None:
-        """Until the batch of `step` has been generated (if it was started)."""
+    async def wait_done(self, step: int, timeout_s: float, describe) -> None:
+        """Until the batch of `step` has been generated (if it was started); BatchTimeout
+        after `timeout_s` seconds, as `take`."""
         task = self.tasks.get(step)
         if task is not None:
-            await asyncio.wait({task})
+            await self._wait(step, task, timeout_s, describe)
+
+    async def _wait(self, step: int, task: asyncio.Task, timeout_s: float, describe) -> None:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if not done:
+            raise BatchTimeout(
+                f"no batch for RL step {step} after {timeout_s:g} s (rollout.batch_timeout_s): "
+                f"{await describe()}"
+            )
 
     async def take(self, step: int, timeout_s: float, describe: Callable[[], Awaitable[str]]):
         """The batch of `step` (started by an earlier `fill`); BatchTimeout after `timeout_s`
@@ -102,12 +114,7 @@ class RolloutPipeline:
         if step in self.done:
             return self.done.pop(step)
         task = self.tasks[step]
-        done, _ = await asyncio.wait({task}, timeout=timeout_s)
-        if not done:
-            raise BatchTimeout(
-                f"no batch for RL step {step} after {timeout_s:g} s (rollout.batch_timeout_s): "
-                f"{await describe()}"
-            )
+        await self._wait(step, task, timeout_s, describe)
         del self.tasks[step]
         return task.result()
 

@@ -312,7 +312,8 @@ class Controller:
         self.trainer_version = int(train_metrics.get("trainer/policy_version", version))
         t_train = time.perf_counter()
         if self.lag and cfg.ahead == "pipelined":
-            await self.pipeline.wait_done(step + self.lag)  # new weights only between batches
+            # new weights only between two batches
+            await self.pipeline.wait_done(step + self.lag, cfg.batch_timeout_s, self._activity)
         sync_seconds = await self.sync_weights()
         report = StepReport(
             step=step, batch=batch, train=train_metrics, version=version,
