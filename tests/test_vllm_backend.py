@@ -122,6 +122,9 @@ def test_seeds_stops_limits_and_errors(engines):
 
     batched, bad, *_ = _run(loop, crowd())
     np.testing.assert_array_equal(alone.token_ids_N, batched.token_ids_N)
+    timings = [batched.metrics[f"generator/{k}"] for k in ("queue_time_ms",
+               "time_to_first_token_ms", "decode_time_ms")]  # fmt: skip
+    assert min(timings) >= 0 and timings[1] >= timings[0]  # the first token comes after admission
     assert bad.finish_reason == FinishReason.ERROR and "prompt_ids must be in" in bad.error
     stop = int(alone.token_ids_N[3])
     stopped = _run(

@@ -63,6 +63,8 @@ class _Pending:
     future: asyncio.Future
     arrival_s: float
     admitted_s: float = 0.0
+    first_token_s: float = 0.0
+    """When an engine step first returned a token of it (0 until then)."""
     versions: set[int] = field(default_factory=set)
     """Versions its tokens were sampled under, where the backend labels them itself."""
     num_seen: int = 0
@@ -267,6 +269,8 @@ class VllmEngine(EngineFront):
             request = self._running.get(output.request_id)
             if request is None:
                 continue
+            if not request.first_token_s and output.outputs and output.outputs[0].token_ids:
+                request.first_token_s = time.perf_counter()
             if not self._features.weight_versions:
                 num_tokens = len(output.outputs[0].token_ids)
                 if num_tokens > request.num_seen:
@@ -312,7 +316,9 @@ class VllmEngine(EngineFront):
             support_offsets=support_offsets,
             metrics={
                 "generator/queue_time_ms": 1e3 * (request.admitted_s - request.arrival_s),
-                "generator/decode_time_ms": 1e3 * (now - request.admitted_s),
+                "generator/time_to_first_token_ms": 1e3
+                * ((request.first_token_s or now) - request.arrival_s),
+                "generator/decode_time_ms": 1e3 * (now - (request.first_token_s or now)),
                 "generator/inflight_at_completion": float(len(self._running) + 1),
                 "generator/prefix_hit_tokens": float(output.num_cached_tokens or 0),
             },
