@@ -37,7 +37,11 @@ from torchtitan_rl.controller.report import StepReport, StepReporter
 from torchtitan_rl.controller.run_lock import RunLock
 from torchtitan_rl.controller.summary import SUMMARY_TAGS
 from torchtitan_rl.controller.supervision import Supervisor
-from torchtitan_rl.controller.warm_start import check_demonstrations_fit, run_warm_start
+from torchtitan_rl.controller.warm_start import (
+    check_demonstrations_fit,
+    run_warm_start,
+    warm_start_notice,
+)
 from torchtitan_rl.envs import build_environment
 from torchtitan_rl.models.renderer import Renderer
 from torchtitan_rl.models.tokenizer import Tokenizer
@@ -252,6 +256,9 @@ class Controller:
         )
 
     async def warm_start(self) -> None:
+        notice = warm_start_notice(self.config, self.environment)
+        if notice:
+            logger.warning("%s", notice)
         steps = await run_warm_start(
             self.config.warm_start, environment=self.environment, renderer=self.renderer,
             pack=self._pack, trainer=self.trainer, metrics=self.metrics,
