@@ -98,7 +98,9 @@ class Controller:
         self.log_dir = self.run_dir / "logs"
         """Where a process killed by a signal leaves its Python stacks (actors/fault_log.py)."""
         self.supervisor = Supervisor(("trainer", "generator", *replica_names), self.log_dir)
-        self.diagnostics = StepDiagnostics(self.run_dir, config.env, config.rollout.max_tokens)
+        self.diagnostics = StepDiagnostics(
+            self.run_dir, config.env, config.rollout.max_tokens, config.rollout.max_error_steps
+        )
         self.start_step = 0
         """The RL step the run continues after (0 for a fresh run, N after step_N)."""
         # What `start` builds: None (or empty) until then, so `close` works at any point.

@@ -111,6 +111,10 @@ class RolloutConfig:
     version and a seeded run replays bit for bit. "streaming": new weights sent right after
     every optimizer step (in-flight turns pick them up between engine steps) and batches
     may overlap: faster, not replayable."""
+    max_error_steps: int = 5
+    """Stop the run (exit code 1, one line) after this many consecutive RL steps in which
+    every rollout errored (a reward function that always raises, an environment that always
+    fails): such a run trains on nothing. >= 0; 0 never stops."""
     batch_timeout_s: float = 1800.0
     """Seconds a step waits for its batch before the run stops with one line saying what the
     generators were doing (> 0); a slow or stuck environment ends the run, never hangs it."""
@@ -126,6 +130,7 @@ class RolloutConfig:
         check_range("rollout.max_staleness", self.max_staleness, ge=0)
         check_range("rollout.batch_timeout_s", self.batch_timeout_s, gt=0)
         check_range("rollout.max_sampling_rounds", self.max_sampling_rounds, ge=0)
+        check_range("rollout.max_error_steps", self.max_error_steps, ge=0)
         try:
             self.sampling_params(seed=0, max_tokens=self.max_tokens, stop_token_ids=()).validate()
         except ValueError as e:  # SamplingParams names the field; say which section it is in
