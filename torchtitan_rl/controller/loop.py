@@ -32,7 +32,7 @@ from torchtitan_rl.controller.launcher import (
     stop_meshes,
 )
 from torchtitan_rl.controller.metrics import MetricsLogger, validation_metrics
-from torchtitan_rl.controller.progress import progress_bar
+from torchtitan_rl.controller.progress import progress_bar, rl_postfix
 from torchtitan_rl.controller.report import StepReport, StepReporter
 from torchtitan_rl.controller.run_lock import RunLock
 from torchtitan_rl.controller.summary import SUMMARY_TAGS
@@ -395,12 +395,7 @@ class Controller:
                 if step < last:
                     self.pipeline.fill(min(step + 1 + self.lag, cfg.training.steps))
                 bar.update(1)
-                bar.set_postfix(
-                    reward=f"{m.get('rollout_reward/mean', float('nan')):.3f}",
-                    val=f"{self.last_validation:.3f}",
-                    loss=f"{m.get('loss/mean', float('nan')):.4f}",
-                    tok_s=f"{m['perf/tokens_per_second']:.0f}",
-                )
+                bar.set_postfix(rl_postfix(m, self.last_validation))
         self.supervisor.where = "while exporting the Hugging Face folder"
         await self.export_hf(self.run_dir / "hf")
 
