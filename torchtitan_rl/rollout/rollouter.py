@@ -186,6 +186,9 @@ class Rollouter:
         self._config = config
         self._seed = seed
         self._rubric = environment.rubric()
+        self._fewest_kept: int | None = None
+        """The fewest groups a step kept after its refills, once a step fell short: the
+        warning is said again only when a step keeps fewer (a run may fall short every step)."""
 
     async def run_single_rollout(
         self,
@@ -366,16 +369,15 @@ class Rollouter:
             sampled.extend(groups)
             kept.extend(g for g in groups if not cfg.filter_zero_std_groups or group_has_signal(g))
         kept, surplus = kept[: cfg.prompts_per_step], kept[cfg.prompts_per_step :]
-        if len(kept) < cfg.prompts_per_step:
+        short_of = cfg.prompts_per_step if self._fewest_kept is None else self._fewest_kept
+        if len(kept) < short_of:
+            self._fewest_kept = len(kept)
             logger.warning(
                 "step %d: only %d of %d groups have reward spread after %d refill rounds "
-                "(rollout.max_sampling_rounds=%d); training on what there is",
-                step,
-                len(kept),
-                cfg.prompts_per_step,
-                rounds - 1,
-                cfg.max_sampling_rounds,
-            )
+                "(rollout.max_sampling_rounds=%d); training on what there is (said again only "
+                "if a step keeps fewer)",
+                step, len(kept), cfg.prompts_per_step, rounds - 1, cfg.max_sampling_rounds,
+            )  # fmt: skip
         used = [*kept, *surplus]
         filtered = [g for g in sampled if not any(g is k for k in used)]
         return CollectedBatch(
