@@ -60,9 +60,6 @@ from torchtitan_rl.weight_sync.transport import WeightSync
 
 logger = logging.getLogger(__name__)
 
-PURGE_ALL = -(10**9)
-"""A TensorBoard purge step below any step a run logs (the warm start logs at steps <= 0)."""
-
 
 class Controller:
     def __init__(self, config: Config, *, use_tqdm: bool = True):
@@ -144,17 +141,18 @@ class Controller:
         latest = self.store.latest()
         state = CheckpointStore.load_state(latest) if latest else None
         self.start_step = state.step if state else 0
-        # TensorBoard hides events a killed run logged at later steps (resume), or any at all
-        # (fresh start over a run that never saved: its curves would appear twice)
+        if state is None:
+            cleared = resume.clear_earlier_run(self.run_dir)
+            said = f" (deleted {', '.join(cleared)} of an earlier run that left no checkpoint)"
+            logger.warning("starting fresh in %s%s", self.run_dir, said if cleared else "")
+        # on resume TensorBoard hides the events a killed run logged after the checkpoint
         self.metrics = MetricsLogger(
-            self.run_dir, purge_step=self.start_step + 1 if state else PURGE_ALL
+            self.run_dir, purge_step=self.start_step + 1 if state else None
         )
         self.reporter = StepReporter(
             self.run_dir, self.diagnostics, self.metrics, cfg.batcher.seq_len
         )
-        if state is None:
-            logger.warning("starting fresh in %s", self.run_dir)
-        else:
+        if state is not None:
             logger.warning("resuming %s after RL step %d (%s)", self.run_dir, state.step, latest)
             for change in changes:
                 logger.warning("  changed since that checkpoint: %s", change)
