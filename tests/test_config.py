@@ -126,6 +126,26 @@ def test_vllm_backend_mistakes_are_one_line(monkeypatch, installed, overrides, n
     assert load_config(TINY).generator.backend == "native"
 
 
+def test_the_kv_block_size_default_fits_the_backend_and_device(monkeypatch):
+    """generator.block_size = 0 (the default): 16, or 32 for vLLM on CPU, which needs it."""
+    import importlib.util
+
+    from torchtitan_rl.generation.interface import EngineConfig
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "vllm" else found(name, *a),
+    )
+    config = load_config(TINY, ["--generator.backend=vllm", "--parallelism.device=cpu"])
+    assert config.generator.block_size == 0
+    assert config.generator.for_device("cpu").block_size == 32
+    assert config.generator.for_device("cuda").block_size == 16
+    assert EngineConfig().for_device("cpu").block_size == 16  # native
+    assert EngineConfig(block_size=64).for_device("cpu").block_size == 64  # a set value stays
+
+
 def _float_keys():
     import dataclasses
     import typing

@@ -24,8 +24,7 @@ from torchtitan_rl.config.job import (
 )
 from torchtitan_rl.envs import resolve_environment
 from torchtitan_rl.envs.base import EnvConfig
-from torchtitan_rl.generation.interface import EngineConfig
-from torchtitan_rl.generation.vllm_engine import CPU_BLOCK_MULTIPLE
+from torchtitan_rl.generation.interface import CPU_BLOCK_MULTIPLE, EngineConfig
 from torchtitan_rl.losses.corrections import CorrectionConfig, check_objective
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models.qwen3 import ModelConfig
@@ -103,10 +102,10 @@ class Config:
             )
         device = self.parallelism.device
         on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-        if on_cpu and self.generator.block_size % CPU_BLOCK_MULTIPLE:
+        if on_cpu and self.generator.block_size % CPU_BLOCK_MULTIPLE:  # 0: 32 by itself
             raise ConfigError(
                 f"generator.block_size={self.generator.block_size}: vLLM on CPU needs a "
-                f"multiple of {CPU_BLOCK_MULTIPLE}, e.g. 32"
+                f"multiple of {CPU_BLOCK_MULTIPLE}; use 0 (the backend's default) or e.g. 32"
             )
 
     def environment_class(self):
