@@ -24,3 +24,36 @@ def test_a_finished_run_says_so_without_starting_anything(tmp_path):
     rc, out, err = _run(f"--job.output_dir={tmp_path}", "--training.steps=7")
     assert rc == 0, err
     assert "already complete" in out and "RL step 7" in out
+
+
+def test_run_train_sh_reads_paths_and_modules_from_the_folder_it_is_called_in(
+    tmp_path, monkeypatch
+):
+    """From a user's folder holding my_envs/ (the README's files): CONFIG_FILE, the run
+    folder and the environment module are all found there, not in the repository."""
+    from test_env_plugin import readme_block
+
+    from torchtitan_rl.config import load_config, to_toml
+    from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
+
+    (tmp_path / "my_envs").mkdir()
+    (tmp_path / "my_envs" / "arith.py").write_text(readme_block("# my_envs/arith.py", "python"))
+    (tmp_path / "my_envs" / "arith.toml").write_text(readme_block("# my_envs/arith.toml", "toml"))
+    # a finished run in <tmp_path>/outputs/arith: the command answers without spawning
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config("my_envs/arith.toml")
+    for name in ("my_envs.arith", "my_envs"):
+        sys.modules.pop(name, None)
+    last = config.training.steps
+    store = CheckpointStore(tmp_path / "outputs" / "arith", keep_latest=2)
+    state = ControllerState.capture(step=last, next_sample=0, last_validation=0.0, history={})
+    store.commit(store.begin(last), last, state, to_toml(config))
+    run = subprocess.run(
+        ["bash", str(ROOT / "run_train.sh")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={"CONFIG_FILE": "my_envs/arith.toml", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert f"already complete: outputs/arith holds the checkpoint of RL step {last}" in run.stdout
+    assert not (ROOT / "outputs" / "arith").exists()

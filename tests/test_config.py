@@ -1,6 +1,7 @@
 """Config loading: TOML + overrides into typed sections; mistakes are one clear line."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +126,26 @@ def test_vllm_backend_mistakes_are_one_line(monkeypatch, installed, overrides, n
     assert load_config(TINY).generator.backend == "native"
 
 
+def test_the_kv_block_size_default_fits_the_backend_and_device(monkeypatch):
+    """generator.block_size = 0 (the default): 16, or 32 for vLLM on CPU, which needs it."""
+    import importlib.util
+
+    from torchtitan_rl.generation.interface import EngineConfig
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "vllm" else found(name, *a),
+    )
+    config = load_config(TINY, ["--generator.backend=vllm", "--parallelism.device=cpu"])
+    assert config.generator.block_size == 0
+    assert config.generator.for_device("cpu").block_size == 32
+    assert config.generator.for_device("cuda").block_size == 16
+    assert EngineConfig().for_device("cpu").block_size == 16  # native
+    assert EngineConfig(block_size=64).for_device("cpu").block_size == 64  # a set value stays
+
+
 def _float_keys():
     import dataclasses
     import typing
@@ -158,3 +179,48 @@ def test_a_choice_lists_its_values_from_its_type():
     from torchtitan_rl.config import Config, help_text
 
     assert 'parallelism.device ("auto" | "cpu" | "cuda") = "auto"' in help_text(Config())
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["--env.name=countdown", "--env.args.max_number=20"],
+        ["--env.args.max_number=20", "--env.name=countdown"],  # one command line, any order
+    ],
+)
+def test_a_new_env_name_leaves_the_old_environments_args_behind(overrides):
+    args = load_config(TINY, overrides).env_args()
+    assert type(args).__name__ == "CountdownConfig" and args.max_number == 20
+    # naming the same environment again keeps the file's settings
+    kept = load_config(TINY, ["--env.name=alphabet_sort", "--env.args.max_names=3"]).env_args()
+    assert kept.sort_by == "random" and kept.max_names == 3
+
+
+def test_a_job_file_extends_another_next_to_it_or_in_the_repository(tmp_path):
+    (tmp_path / "base.toml").write_text('[job]\nrun_name = "base"\n[training]\nlr = 0.01\n')
+    (tmp_path / "child.toml").write_text('extends = "base.toml"\n[training]\nsteps = 3\n')
+    child = load_config(tmp_path / "child.toml")
+    assert (child.job.run_name, child.training.lr, child.training.steps) == ("base", 0.01, 3)
+    # a bare name not next to the file comes from train_configs/; [env] alone gets a base
+    (tmp_path / "countdown.toml").write_text(
+        'extends = "alphabet_sort_tiny.toml"\n[env]\nname = "countdown"\n'
+        "[env.args]\nmax_number = 20\n"
+    )
+    c = load_config(tmp_path / "countdown.toml")
+    assert c.warm_start.steps == 400 and c.training.steps == 800  # the tiny job's, not defaults
+    assert c.env_args().max_number == 20 and c.env_args().min_numbers == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('extends = "nope.toml"\n', "extends = 'nope.toml': no such job file (looked in"),
+        ('extends = "loop.toml"\n', "extends = 'loop.toml' makes a loop of job files"),
+        ("extends = 3\n", "extends must name a job file (a string), got 3"),
+    ],
+)
+def test_extends_mistakes_are_one_line(tmp_path, text, needle):
+    (tmp_path / "loop.toml").write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(needle)) as info:
+        load_config(tmp_path / "loop.toml")
+    assert "\n" not in str(info.value)

@@ -257,4 +257,4 @@ def test_engine_config_rejects_bad_sync_mode_and_too_few_blocks():
     with pytest.raises(ValueError, match="num_blocks"):
         EngineConfig(max_seq_len=64, block_size=16, num_blocks=3).validate()
     with pytest.raises(ValueError, match="block_size"):
-        EngineConfig(block_size=0).validate()
+        EngineConfig(block_size=-1).validate()

@@ -183,3 +183,64 @@ def test_an_interrupt_says_whether_the_same_command_resumes(tmp_path):
     )
     _run_with_checkpoint(tmp_path, 3)
     assert "resumes after RL step 3" in _resume_hint(Controller(config, use_tqdm=False))
+
+
+@pytest.mark.parametrize(("max_error_steps", "stops_at"), [(2, 4), (3, 5), (0, None)])
+def test_max_error_steps_stops_a_run_whose_rollouts_all_error(
+    tmp_path, capsys, max_error_steps, stops_at
+):
+    from torchtitan_rl.controller.diagnostics import RunCannotLearn
+    from torchtitan_rl.train import _fail
+
+    overrides = [f"--job.output_dir={tmp_path}", f"--rollout.max_error_steps={max_error_steps}"]
+    controller = Controller(load_config(TINY, overrides), use_tqdm=False)
+    controller.run_dir.mkdir()
+    diagnostics = controller.diagnostics
+    error, ok = RolloutStatus.ERROR_REWARD, RolloutStatus.COMPLETED
+    steps = {1: [error] * 4, 2: [error, ok], 3: [error] * 4, 4: [error] * 4, 5: [error] * 4}
+    stopped = None
+    for step, statuses in steps.items():
+        try:
+            diagnostics.report(step, _rollouts(statuses))
+        except RunCannotLearn as e:
+            stopped = step
+            assert _fail(e, debug=False, code=1) == 1
+            break
+    assert stopped == stops_at  # step 2 had a valid rollout: the count starts again
+    if stops_at:
+        line = capsys.readouterr().err
+        assert line.count("\n") == 1 and "--debug" not in line
+        assert line.startswith(f"error: every rollout errored (error_reward) in {max_error_steps}")
+        assert f"(rollout.max_error_steps={max_error_steps})" in line
+
+
+def test_the_dashboard_charts_validation_rubric_async_and_warm_start_apart():
+    import re
+
+    from torchtitan_rl.controller.metrics import DASHBOARD
+
+    charts = {
+        f"{category}/{title}": patterns
+        for category, chart in DASHBOARD.items()
+        for title, (_, patterns) in chart.items()
+    }
+
+    def charted(tag):
+        return [name for name, pats in charts.items() if any(re.fullmatch(p, tag) for p in pats)]
+
+    assert charted("rollout_reward/mean") == ["learning/reward (sampled rollouts)"]
+    assert charted("validation_reward/mean") == ["learning/validation (greedy, held-out)"]
+    assert charted("validation_reward/sort_score") == ["learning/validation (greedy, held-out)"]
+    assert charted("rollout_reward/sort_score/mean") == [
+        "learning/rubric functions (sampled rollouts)"
+    ]
+    assert charted("rollout_reward/sort_score/std") == []
+    for tag in ("rollout/staleness/mean", "rollout/staleness/max", "perf/trainer_wait_seconds",
+                "perf/generator_wait_seconds"):  # fmt: skip
+        assert len(charted(tag)) == 1, tag
+    # the warm start (steps <= 0) never shares a chart with RL's steps
+    warm = [name for name in charts if any(p.startswith("warm_start/") for p in charts[name])]
+    assert all(name.startswith("warm start/") for name in warm)
+    assert not any(
+        p.startswith("warm_start/") for n, ps in charts.items() if n not in warm for p in ps
+    )

@@ -134,3 +134,17 @@ def test_step_and_next_sample_are_all_the_rollouts_need_to_continue():
     second, _ = _steps(_rollouter(), range(restored.step + 1, 5), restored.next_sample)
     assert first + second == straight
     assert any(rounds > 1 for _, _, rounds in straight), "refill rounds were exercised"
+
+
+def test_a_fresh_start_deletes_what_an_earlier_run_without_a_checkpoint_left(tmp_path):
+    from torchtitan_rl.controller.resume import clear_earlier_run
+
+    (tmp_path / "tb").mkdir()
+    (tmp_path / "tb" / "events.out.tfevents.1").write_text("old curves")
+    (tmp_path / "rollouts").mkdir()
+    (tmp_path / "rollouts" / "step_1.jsonl").write_text("{}")
+    (tmp_path / "errors.log").write_text("step 1: ...")
+    (tmp_path / "hf").mkdir()  # the earlier policy is not in the way: kept until overwritten
+    assert clear_earlier_run(tmp_path) == ["tb/", "rollouts/", "errors.log"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    assert clear_earlier_run(tmp_path) == []  # nothing to say the second time

@@ -310,3 +310,21 @@ def test_a_train_sample_that_raises_names_env_method_and_index_and_leaves_no_cor
     del info
     gc.collect()
     assert [str(w.message) for w in recwarn if "never awaited" in str(w.message)] == []
+
+
+def test_the_refill_warning_is_said_once_and_again_only_when_a_step_keeps_fewer(caplog):
+    spread_below = {0: 7, 1: 7, 2: 5, 3: 7}  # step -> samples below this index have spread
+
+    def reward(rollout):
+        index, step = rollout.sample["index"], rollout.sample["index"] // 100
+        return float(rollout.rollout_id) if index % 100 < spread_below[step] else 1.0
+
+    rollouter = make_rollouter(
+        lambda s: ScriptedEnv([done()]), reward, prompts_per_step=8, max_sampling_rounds=0
+    )
+    with caplog.at_level(logging.WARNING):
+        for step in range(4):
+            asyncio.run(rollouter.collect_batch(step, 100 * step, always("ok")))
+    said = [r.getMessage() for r in caplog.records if "have reward spread" in r.getMessage()]
+    assert [m.split(":")[0] for m in said] == ["step 0", "step 2"]  # 7, 7, 5 (fewer), 7
+    assert "only 5 of 8 groups" in said[1] and "said again only if a step keeps fewer" in said[1]

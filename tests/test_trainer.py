@@ -85,7 +85,10 @@ def test_sft_steps_lower_the_loss():
     core = _core()
     opt = core.warm_start_optimizer(WarmStartConfig(lr=1e-2))
     batch = _batch(_episodes(np.random.default_rng(3)))
-    first = core.sft_step(batch, opt)["warm_start/loss"]
+    out = core.sft_step(batch, opt)
+    first = out["warm_start/loss"]
+    # warm-start steps log at <= 0: under warm_start/, off the RL grad-norm chart
+    assert sorted(out) == ["warm_start/grad_norm", "warm_start/loss", "warm_start/skipped_steps"]
     for _ in range(15):
         last = core.sft_step(batch, opt)["warm_start/loss"]
     assert last < first * 0.8

@@ -97,3 +97,26 @@ def test_a_cap_below_the_window_runs_all_steps(tmp_path):
         tmp_path, LOSSES, "--warm_start.steps=5", "--warm_start.target_loss=3"
     )
     assert steps == 5
+
+
+@pytest.mark.usefixtures("package_logger_restored")
+def test_a_random_model_without_a_warm_start_gets_one_warning(tmp_path, caplog):
+    logging.getLogger("torchtitan_rl").propagate = True
+    with caplog.at_level(logging.WARNING, logger="torchtitan_rl"):
+        _run_warm_start(tmp_path, LOSSES, "--warm_start.steps=0")
+    assert caplog.text.count("a random-init model starts RL without a warm start") == 1
+    assert "env.name='alphabet_sort' has demonstrations" in caplog.text
+
+
+def test_a_warm_start_over_an_hf_checkpoint_is_said_and_quiet_otherwise():
+    from torchtitan_rl.controller.warm_start import warm_start_notice
+    from torchtitan_rl.envs import AlphabetSort
+
+    config = load_config(TINY)
+    assert warm_start_notice(config, AlphabetSort) is None  # the default job: nothing to say
+    config.model.hf_checkpoint = "exported/hf"  # set after loading: no folder check
+    assert "model.hf_checkpoint='exported/hf': the warm start still runs (up to " in (
+        warm_start_notice(config, AlphabetSort)
+    )
+    config.warm_start.steps = 0
+    assert warm_start_notice(config, AlphabetSort) is None

@@ -182,7 +182,8 @@ def one_line(error: BaseException) -> str:
         ActorError = ConfigError = ActorFailure = RunFolderBusy = ()  # noqa: N806
     if isinstance(error, ActorError):
         error = error.exception
-    if isinstance(error, (ConfigError, ActorFailure, RunFolderBusy)):
+    plain = getattr(error, "needs_no_traceback", False)  # its message is the whole line
+    if plain or isinstance(error, (ConfigError, ActorFailure, RunFolderBusy)):
         return str(error).splitlines()[0]
     text = (str(error).strip().splitlines() or [""])[0]
     where = ""

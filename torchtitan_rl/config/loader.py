@@ -24,8 +24,7 @@ from torchtitan_rl.config.job import (
 )
 from torchtitan_rl.envs import resolve_environment
 from torchtitan_rl.envs.base import EnvConfig
-from torchtitan_rl.generation.interface import EngineConfig
-from torchtitan_rl.generation.vllm_engine import CPU_BLOCK_MULTIPLE
+from torchtitan_rl.generation.interface import CPU_BLOCK_MULTIPLE, EngineConfig
 from torchtitan_rl.losses.corrections import CorrectionConfig, check_objective
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models.qwen3 import ModelConfig
@@ -103,10 +102,10 @@ class Config:
             )
         device = self.parallelism.device
         on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-        if on_cpu and self.generator.block_size % CPU_BLOCK_MULTIPLE:
+        if on_cpu and self.generator.block_size % CPU_BLOCK_MULTIPLE:  # 0: 32 by itself
             raise ConfigError(
                 f"generator.block_size={self.generator.block_size}: vLLM on CPU needs a "
-                f"multiple of {CPU_BLOCK_MULTIPLE}, e.g. 32"
+                f"multiple of {CPU_BLOCK_MULTIPLE}; use 0 (the backend's default) or e.g. 32"
             )
 
     def environment_class(self):
@@ -188,12 +187,17 @@ def _apply_section(section: Any, values: dict[str, Any], source: str, name: str)
 
 
 def _apply(config: Config, table: dict[str, Any], source: str) -> None:
+    """Apply one source (a job file or one override). A source that moves `env.name` to
+    another environment starts that environment's `[env.args]` afresh: the earlier
+    environment's settings would be unknown keys to the new one."""
     sections = {f.name for f in dataclasses.fields(config)}
     for name, values in table.items():
         if name not in sections:
             raise ConfigError(f"{source}: unknown section [{name}]; valid: {sorted(sections)}")
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: '{name}' must be a [section] table")
+        if name == "env" and values.get("name", config.env.name) != config.env.name:
+            config.env.args = {}
         _apply_section(getattr(config, name), values, source, name)
 
 
@@ -213,20 +217,55 @@ def _parse_override(arg: str) -> dict[str, Any]:
     return table
 
 
+EXTENDS = "extends"
+"""Top-level job-file key naming the job file it builds on: its keys first, this file's on
+top. A relative name is read next to the extending file, else in the repository's
+train_configs/ (so `extends = "alphabet_sort_tiny.toml"` works from any folder)."""
+REPO_JOB_FILES = Path(__file__).resolve().parents[2] / "train_configs"
+
+
+def _read_job_file(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[dict, str]]:
+    """The tables of `path` and of the files it extends, base first, each with its name."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        table = tomli.loads(path.read_text())
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: TOML syntax error: {e}") from e
+    base = table.pop(EXTENDS, None)
+    if base is None:
+        return [(table, str(path))]
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: {EXTENDS} must name a job file (a string), got {base!r}")
+    found = Path(base)
+    if not found.is_absolute():
+        nearby, repo = path.parent / base, REPO_JOB_FILES / base
+        found = repo if not nearby.is_file() and repo.is_file() else nearby
+    if not found.is_file():
+        raise ConfigError(
+            f"{path}: {EXTENDS} = {base!r}: no such job file (looked in {path.parent} and "
+            f"{REPO_JOB_FILES})"
+        )
+    chain = (*seen, path.resolve())
+    if found.resolve() in chain:
+        raise ConfigError(f"{path}: {EXTENDS} = {base!r} makes a loop of job files")
+    return [*_read_job_file(found, chain), (table, str(path))]
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Defaults <- TOML file <- overrides, then validate every section."""
+    """Defaults <- the job files it extends <- the job file <- overrides, then validate."""
     config = Config()
-    if path:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            table = tomli.loads(path.read_text())
-        except tomli.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: TOML syntax error: {e}") from e
-        _apply(config, table, str(path))
-    for arg in overrides:
-        _apply(config, _parse_override(arg), "override")
+    for table, source in _read_job_file(Path(path)) if path else ():
+        _apply(config, table, source)
+    tables = [_parse_override(arg) for arg in overrides]
+    # one command line is one source: `--env.args.k=v --env.name=x` keeps k
+    names = [t["env"]["name"] for t in tables if "name" in t.get("env", {})]
+    if names and names[-1] != config.env.name:
+        config.env.args = {}
+    for table in tables:
+        if "name" in table.get("env", {}):
+            config.env.name = table["env"]["name"]  # already checked against args above
+        _apply(config, table, "override")
     config.validate()
     return config
 

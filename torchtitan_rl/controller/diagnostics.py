@@ -39,12 +39,24 @@ def _truncation_hint(status: RolloutStatus, env: EnvConfig, max_tokens: int) -> 
     )
 
 
+class RunCannotLearn(RuntimeError):
+    """Every rollout errored for rollout.max_error_steps steps in a row; the message is the
+    one line shown."""
+
+    needs_no_traceback = True
+
+
 class StepDiagnostics:
-    def __init__(self, run_dir: Path, env: EnvConfig, max_tokens: int):
+    def __init__(self, run_dir: Path, env: EnvConfig, max_tokens: int, max_error_steps: int = 0):
+        """`max_error_steps`: raise RunCannotLearn after this many consecutive training steps
+        whose rollouts all errored (0: never)."""
         self.errors_log = run_dir / "errors.log"
         self.env = env
         self.max_tokens = max_tokens
+        self.max_error_steps = max_error_steps
         self._warned: set[RolloutStatus] = set()
+        self._error_steps = 0
+        """Consecutive training steps so far in which every rollout errored."""
 
     def report(self, step: int, groups: list[RolloutGroup], *, training: bool = True) -> None:
         """Every rollout sampled in `step`, trained on or filtered out; `training=False`
@@ -75,6 +87,19 @@ class StepDiagnostics:
                         step, 100 * share, status.value,
                         _truncation_hint(status, self.env, self.max_tokens),
                     )  # fmt: skip
+        if training:
+            self._count_error_steps(step, errored, len(rollouts))
+
+    def _count_error_steps(self, step: int, errored: list[Rollout], total: int) -> None:
+        self._error_steps = self._error_steps + 1 if len(errored) == total else 0
+        n = self.max_error_steps
+        if n and self._error_steps >= n:
+            kinds = ", ".join(sorted({r.status.value for r in errored}))
+            raise RunCannotLearn(
+                f"every rollout errored ({kinds}) in {n} steps in a row (RL steps {step - n + 1}"
+                f"-{step}): the run trains on nothing, so it stops (rollout.max_error_steps={n}); "
+                f"first error: {errored[0].error}; tracebacks in {self.errors_log}"
+            )
 
     def report_dropped(self, step: int, dropped: float, kept: float, seq_len: int) -> None:
         """Episodes the batcher dropped for not fitting a row (once per run)."""

@@ -32,12 +32,16 @@ from torchtitan_rl.controller.launcher import (
     stop_meshes,
 )
 from torchtitan_rl.controller.metrics import MetricsLogger, validation_metrics
-from torchtitan_rl.controller.progress import progress_bar
+from torchtitan_rl.controller.progress import progress_bar, rl_postfix
 from torchtitan_rl.controller.report import StepReport, StepReporter
 from torchtitan_rl.controller.run_lock import RunLock
 from torchtitan_rl.controller.summary import SUMMARY_TAGS
 from torchtitan_rl.controller.supervision import Supervisor
-from torchtitan_rl.controller.warm_start import check_demonstrations_fit, run_warm_start
+from torchtitan_rl.controller.warm_start import (
+    check_demonstrations_fit,
+    run_warm_start,
+    warm_start_notice,
+)
 from torchtitan_rl.envs import build_environment
 from torchtitan_rl.models.renderer import Renderer
 from torchtitan_rl.models.tokenizer import Tokenizer
@@ -55,9 +59,6 @@ from torchtitan_rl.types import Episode, GenerateFn, RolloutGroup, SamplingParam
 from torchtitan_rl.weight_sync.transport import WeightSync
 
 logger = logging.getLogger(__name__)
-
-PURGE_ALL = -(10**9)
-"""A TensorBoard purge step below any step a run logs (the warm start logs at steps <= 0)."""
 
 
 class Controller:
@@ -94,7 +95,9 @@ class Controller:
         self.log_dir = self.run_dir / "logs"
         """Where a process killed by a signal leaves its Python stacks (actors/fault_log.py)."""
         self.supervisor = Supervisor(("trainer", "generator", *replica_names), self.log_dir)
-        self.diagnostics = StepDiagnostics(self.run_dir, config.env, config.rollout.max_tokens)
+        self.diagnostics = StepDiagnostics(
+            self.run_dir, config.env, config.rollout.max_tokens, config.rollout.max_error_steps
+        )
         self.start_step = 0
         """The RL step the run continues after (0 for a fresh run, N after step_N)."""
         # What `start` builds: None (or empty) until then, so `close` works at any point.
@@ -138,17 +141,18 @@ class Controller:
         latest = self.store.latest()
         state = CheckpointStore.load_state(latest) if latest else None
         self.start_step = state.step if state else 0
-        # TensorBoard hides events a killed run logged at later steps (resume), or any at all
-        # (fresh start over a run that never saved: its curves would appear twice)
+        if state is None:
+            cleared = resume.clear_earlier_run(self.run_dir)
+            said = f" (deleted {', '.join(cleared)} of an earlier run that left no checkpoint)"
+            logger.warning("starting fresh in %s%s", self.run_dir, said if cleared else "")
+        # on resume TensorBoard hides the events a killed run logged after the checkpoint
         self.metrics = MetricsLogger(
-            self.run_dir, purge_step=self.start_step + 1 if state else PURGE_ALL
+            self.run_dir, purge_step=self.start_step + 1 if state else None
         )
         self.reporter = StepReporter(
             self.run_dir, self.diagnostics, self.metrics, cfg.batcher.seq_len
         )
-        if state is None:
-            logger.warning("starting fresh in %s", self.run_dir)
-        else:
+        if state is not None:
             logger.warning("resuming %s after RL step %d (%s)", self.run_dir, state.step, latest)
             for change in changes:
                 logger.warning("  changed since that checkpoint: %s", change)
@@ -252,6 +256,9 @@ class Controller:
         )
 
     async def warm_start(self) -> None:
+        notice = warm_start_notice(self.config, self.environment)
+        if notice:
+            logger.warning("%s", notice)
         steps = await run_warm_start(
             self.config.warm_start, environment=self.environment, renderer=self.renderer,
             pack=self._pack, trainer=self.trainer, metrics=self.metrics,
@@ -387,12 +394,7 @@ class Controller:
                 if step < last:
                     self.pipeline.fill(min(step + 1 + self.lag, cfg.training.steps))
                 bar.update(1)
-                bar.set_postfix(
-                    reward=f"{m.get('rollout_reward/mean', float('nan')):.3f}",
-                    val=f"{self.last_validation:.3f}",
-                    loss=f"{m.get('loss/mean', float('nan')):.4f}",
-                    tok_s=f"{m['perf/tokens_per_second']:.0f}",
-                )
+                bar.set_postfix(rl_postfix(m, self.last_validation))
         self.supervisor.where = "while exporting the Hugging Face folder"
         await self.export_hf(self.run_dir / "hf")
 

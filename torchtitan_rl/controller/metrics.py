@@ -26,10 +26,16 @@ def summarize(prefix: str, values: Iterable[float]) -> dict[str, float]:
 
 DASHBOARD = {
     "learning": {
-        "reward": ["Multiline", ["rollout_reward/mean", "validation_reward/mean"]],
+        "reward (sampled rollouts)": ["Multiline", ["rollout_reward/mean"]],
+        "validation (greedy, held-out)": ["Multiline", ["validation_reward/.*"]],
+        "rubric functions (sampled rollouts)": ["Multiline", [r"rollout_reward/[^/]+/mean"]],
         "loss": ["Multiline", ["loss/mean", "loss/policy"]],
         "kl and entropy": ["Multiline", ["loss/kl", "loss/entropy"]],
         "grad norm": ["Multiline", ["trainer/grad_norm"]],
+    },
+    "warm start": {
+        "loss": ["Multiline", ["warm_start/loss"]],
+        "grad norm": ["Multiline", ["warm_start/grad_norm"]],
     },
     "off-policy": {
         "generator vs trainer log-prob": [
@@ -44,6 +50,10 @@ DASHBOARD = {
             "Multiline",
             ["loss/clip_frac", "correction/truncated_frac", "correction/masked_frac"],
         ],
+        "staleness (policy versions)": [
+            "Multiline",
+            ["rollout/staleness/mean", "rollout/staleness/max"],
+        ],
     },
     "rollouts": {
         "status": ["Multiline", ["rollout/status/.*"]],
@@ -52,10 +62,16 @@ DASHBOARD = {
             "Multiline",
             ["perf/step_seconds", "perf/generate_seconds", "perf/train_seconds"],
         ],
+        "waiting (seconds per step)": [
+            "Multiline",
+            ["perf/trainer_wait_seconds", "perf/generator_wait_seconds"],
+        ],
     },
 }
 """TensorBoard's Custom Scalars tab: the curves a person looks at first (the tag names stay
-the interface; the scalars tab still lists all of them)."""
+the interface; the scalars tab still lists all of them). Entries are regular expressions over
+tags. RL logs at steps >= 1 and validation at 0 (before RL); the warm start logs at steps <= 0
+under warm_start/ only, so no RL chart stretches back over it."""
 
 
 class MetricsLogger:

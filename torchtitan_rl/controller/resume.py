@@ -8,6 +8,7 @@ module decides what goes into one and what a resume may change.
 from __future__ import annotations
 
 import pickle
+import shutil
 from pathlib import Path
 
 import tomli
@@ -19,6 +20,10 @@ from torchtitan_rl.rollout.rollouter import CollectedBatch
 PENDING = "pending_batches.pkl"
 """Batches generated ahead of the checkpoint's step (rollout.max_staleness >= 1); written and
 read by this process only (it also wrote the manifest that vouches for them)."""
+EARLIER_RUN = ("tb", "rollouts", "errors.log")
+"""What a run that left no checkpoint leaves in its folder that would mix with a fresh run's:
+TensorBoard events (TensorBoard would draw both runs as one curve), rollout records and
+errors.log (both keyed by step)."""
 RESUME_FROZEN = ("model.",)
 """Config keys a resume cannot change: the checkpoint's weights have that model's shape."""
 
@@ -91,3 +96,20 @@ def load_pending(folder: Path) -> dict[int, CollectedBatch]:
     """The batches a checkpoint kept whole: generated ahead by older weights, not trained."""
     path = folder / PENDING
     return pickle.loads(path.read_bytes()) if path.is_file() else {}
+
+
+def clear_earlier_run(run_dir: Path) -> list[str]:
+    """Before a fresh start: delete what an earlier run in `run_dir` left (it has no
+    checkpoint, so nothing can continue it) and would mix with this run's; returns the
+    names deleted, for the line that says so."""
+    cleared = []
+    for name in EARLIER_RUN:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        else:
+            continue
+        cleared.append(name + "/" if name != "errors.log" else name)
+    return cleared

@@ -53,6 +53,29 @@ def check_demonstrations_fit(cfg: Config, environment, renderer) -> None:
                 )  # fmt: skip
 
 
+def warm_start_notice(cfg: Config, environment) -> str | None:
+    """One line when the warm start does not fit the model a run starts from: a random
+    model without one scores ~0 (nothing for RL to learn from), and one loaded from
+    model.hf_checkpoint still gets one unless warm_start.steps = 0."""
+    if cfg.training.steps == 0:
+        return None
+    if cfg.model.hf_checkpoint and cfg.warm_start.steps:
+        return (
+            f"model.hf_checkpoint={cfg.model.hf_checkpoint!r}: the warm start still runs (up to "
+            f"warm_start.steps={cfg.warm_start.steps}) on these weights before RL; set "
+            "warm_start.steps = 0 to start RL from them as they are"
+        )
+    if not cfg.model.hf_checkpoint and not cfg.warm_start.steps:
+        if environment.has_demonstrations():
+            return (
+                "a random-init model starts RL without a warm start (warm_start.steps = 0) and "
+                f"will earn ~0 reward, though env.name={cfg.env.name!r} has demonstrations; "
+                'set warm_start.steps (e.g. extends = "alphabet_sort_tiny.toml": 400 steps up '
+                "to warm_start.target_loss)"
+            )
+    return None
+
+
 async def run_warm_start(
     ws: WarmStartConfig, *, environment, renderer, pack, trainer, metrics, supervisor,
     use_tqdm: bool,

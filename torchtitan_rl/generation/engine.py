@@ -91,6 +91,7 @@ class Engine(EngineFront):
         (`_steps`); None: on CUDA, where it keeps the device busy while the host records
         tokens. On CPU it only adds a wasted row per finished request (tests turn it on
         there to check it changes no result)."""
+        config = config.for_device(torch.device(device).type)
         super().__init__(config)
         self._runner = ModelRunner(
             model,

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
 
@@ -36,6 +37,10 @@ DecodeAttention = Literal["auto", "gather", "triton"]
 WEIGHT_SYNC_MODES = get_args(WeightSyncMode)
 BACKENDS = get_args(Backend)
 DECODE_ATTENTION = get_args(DecodeAttention)
+DEFAULT_BLOCK_SIZE = 16
+"""KV block tokens when generator.block_size = 0, except vLLM on CPU."""
+CPU_BLOCK_MULTIPLE = 32
+"""vLLM's CPU attention needs KV blocks of a multiple of 32 tokens (its default there)."""
 """Native decode attention: "gather" (blocks gathered, batched matmuls; any device), "triton"
 (reads the paged cache in place; CUDA only; 3.9x the engine throughput of "gather" on an
 H200, scripts/bench_generate.py) or "auto" (triton on CUDA, else gather)."""
@@ -60,9 +65,9 @@ class EngineConfig:
     """Weights, activations and KV cache dtype: "float32" | "bfloat16"."""
     max_steps_per_iteration: int = 8
     """Decode steps between yields to the event loop (new requests join at yields), >= 1."""
-    block_size: int = 16
-    """Tokens per KV cache block (the unit of allocation and of prefix reuse), >= 1; vllm on
-    CPU: a multiple of 32."""
+    block_size: int = 0
+    """Tokens per KV cache block (the unit of allocation and of prefix reuse), >= 0; 0 picks
+    the backend's: 16, or 32 for vLLM on CPU (where it must be a multiple of 32)."""
     num_blocks: int = 0
     """KV cache blocks; 0 sizes the cache for max_num_seqs full-length sequences. Fewer
     blocks admit fewer requests at once and preempt (recompute) when the cache fills; at
@@ -86,12 +91,13 @@ class EngineConfig:
     torch.compile and CUDA graphs, else eager); no effect on CPU."""
 
     def validate(self) -> None:
-        for name in ("num_replicas", "max_num_seqs", "max_steps_per_iteration", "block_size"):
+        for name in ("num_replicas", "max_num_seqs", "max_steps_per_iteration"):
             check_range(f"generator.{name}", getattr(self, name), ge=1)
+        check_range("generator.block_size", self.block_size, ge=0)
         check_range("generator.max_seq_len", self.max_seq_len, ge=2)
         if self.dtype not in DTYPES:
             raise ValueError(f"generator.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        min_blocks = -(-self.max_seq_len // self.block_size)
+        min_blocks = -(-self.max_seq_len // (self.block_size or DEFAULT_BLOCK_SIZE))
         if self.num_blocks != 0 and self.num_blocks < min_blocks:
             raise ValueError(
                 f"generator.num_blocks must be 0 or >= ceil(max_seq_len / block_size) = "
@@ -115,7 +121,17 @@ class EngineConfig:
                 f"got {self.weight_sync_mode!r}"
             )
 
+    def for_device(self, device_type: str) -> EngineConfig:
+        """This config with block_size = 0 resolved for the backend on `device_type`
+        ("cpu", "cuda"); engines build from the result."""
+        if self.block_size:
+            return self
+        vllm_cpu = self.backend == "vllm" and device_type == "cpu"
+        size = CPU_BLOCK_MULTIPLE if vllm_cpu else DEFAULT_BLOCK_SIZE
+        return dataclasses.replace(self, block_size=size)
+
     def total_blocks(self) -> int:
+        assert self.block_size, "resolve block_size = 0 with for_device() first"
         return self.num_blocks or self.max_num_seqs * -(-self.max_seq_len // self.block_size)
 
 

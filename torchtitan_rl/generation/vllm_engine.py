@@ -51,8 +51,6 @@ from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 logger = logging.getLogger(__name__)
 
 FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
-CPU_BLOCK_MULTIPLE = 32
-"""vLLM's CPU attention needs KV blocks of a multiple of 32 tokens."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,6 +85,7 @@ def start_vllm_engine(
 ) -> VllmEngine:
     """vLLM started from `hf_folder` in this process, behind `VllmEngine`. Raises ValueError
     (one line) for a vLLM release outside `vllm_support.SUPPORTED_VLLM`."""
+    config = config.for_device(device.type)
     config.validate()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     import vllm

@@ -111,6 +111,10 @@ class RolloutConfig:
     version and a seeded run replays bit for bit. "streaming": new weights sent right after
     every optimizer step (in-flight turns pick them up between engine steps) and batches
     may overlap: faster, not replayable."""
+    max_error_steps: int = 5
+    """Stop the run (exit code 1, one line) after this many consecutive RL steps in which
+    every rollout errored (a reward function that always raises, an environment that always
+    fails): such a run trains on nothing. >= 0; 0 never stops."""
     batch_timeout_s: float = 1800.0
     """Seconds a step waits for its batch before the run stops with one line saying what the
     generators were doing (> 0); a slow or stuck environment ends the run, never hangs it."""
@@ -126,6 +130,7 @@ class RolloutConfig:
         check_range("rollout.max_staleness", self.max_staleness, ge=0)
         check_range("rollout.batch_timeout_s", self.batch_timeout_s, gt=0)
         check_range("rollout.max_sampling_rounds", self.max_sampling_rounds, ge=0)
+        check_range("rollout.max_error_steps", self.max_error_steps, ge=0)
         try:
             self.sampling_params(seed=0, max_tokens=self.max_tokens, stop_token_ids=()).validate()
         except ValueError as e:  # SamplingParams names the field; say which section it is in
@@ -181,6 +186,9 @@ class Rollouter:
         self._config = config
         self._seed = seed
         self._rubric = environment.rubric()
+        self._fewest_kept: int | None = None
+        """The fewest groups a step kept after its refills, once a step fell short: the
+        warning is said again only when a step keeps fewer (a run may fall short every step)."""
 
     async def run_single_rollout(
         self,
@@ -361,16 +369,15 @@ class Rollouter:
             sampled.extend(groups)
             kept.extend(g for g in groups if not cfg.filter_zero_std_groups or group_has_signal(g))
         kept, surplus = kept[: cfg.prompts_per_step], kept[cfg.prompts_per_step :]
-        if len(kept) < cfg.prompts_per_step:
+        short_of = cfg.prompts_per_step if self._fewest_kept is None else self._fewest_kept
+        if len(kept) < short_of:
+            self._fewest_kept = len(kept)
             logger.warning(
                 "step %d: only %d of %d groups have reward spread after %d refill rounds "
-                "(rollout.max_sampling_rounds=%d); training on what there is",
-                step,
-                len(kept),
-                cfg.prompts_per_step,
-                rounds - 1,
-                cfg.max_sampling_rounds,
-            )
+                "(rollout.max_sampling_rounds=%d); training on what there is (said again only "
+                "if a step keeps fewer)",
+                step, len(kept), cfg.prompts_per_step, rounds - 1, cfg.max_sampling_rounds,
+            )  # fmt: skip
         used = [*kept, *surplus]
         filtered = [g for g in sampled if not any(g is k for k in used)]
         return CollectedBatch(

@@ -245,7 +245,13 @@ class TrainerCore:
             dist.all_reduce(total, group=self.dp_group)
         loss = float(total)
         _, metrics = self._optimizer_step(optimizer, loss)
-        return {"warm_start/loss": loss, **results(metrics)}
+        # under warm_start/: its steps (logged at <= 0) stay off the RL curves' charts
+        out = results(metrics)
+        return {
+            "warm_start/loss": loss,
+            "warm_start/grad_norm": out["trainer/grad_norm"],
+            "warm_start/skipped_steps": out["trainer/skipped_steps"],
+        }
 
     def _optimizer_step(self, optimizer, loss: float) -> tuple[bool, Metrics]:
         """Clip and step, unless the gradient or loss is not finite; (applied, metrics)."""
