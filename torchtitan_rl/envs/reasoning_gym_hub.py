@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import random
 from functools import cache, lru_cache
 from typing import Any, ClassVar
 
@@ -113,9 +114,11 @@ class ReasoningGym(Environment):
     """The adapter; `reasoning_gym_environment(dataset)` makes its per-dataset subclass."""
 
     dataset_name: ClassVar[str] = ""
+    """The key of `reasoning_gym.factory.DATASETS`."""
     dataset_class: ClassVar[type]
-    """The dataset (`ProceduralDataset` subclass) and its own config dataclass."""
+    """The dataset, a `reasoning_gym.dataset.ProceduralDataset` subclass."""
     dataset_config: ClassVar[type]
+    """The dataset's own config dataclass (`config_class` adds our keys to it)."""
 
     def __init__(self, config: EnvConfig, seed: int, args: Any = None):
         super().__init__(config, seed, args)
@@ -127,7 +130,7 @@ class ReasoningGym(Environment):
         self.size: int = values["size"]
         self._entry = lru_cache(maxsize=ENTRY_CACHE)(self.dataset.__getitem__)
 
-    def _draw(self, rng) -> dict[str, Any]:
+    def _draw(self, rng: random.Random) -> dict[str, Any]:
         index = rng.randrange(self.size)
         entry = self._entry(index)
         answer = entry.get("answer")
