@@ -5,6 +5,7 @@ import pytest
 from torchtitan_rl.envs import ENVS, build_environment, resolve_environment
 from torchtitan_rl.envs.alphabet_sort import AlphabetSort, AlphabetSortConfig
 from torchtitan_rl.envs.base import EnvConfig, Environment, MessageEnv, Rubric, StepResult
+from torchtitan_rl.envs.split import is_validation, split_sample
 from torchtitan_rl.types import Rollout
 
 
@@ -117,3 +118,26 @@ def test_a_user_environment_needs_only_the_five_methods():
 def test_environment_validates_its_config_on_construction():
     with pytest.raises(ValueError, match="env.max_turns"):
         EchoEnvironment(EnvConfig(max_turns=0), seed=0)
+
+
+def test_split_sample_is_deterministic_disjoint_and_says_when_a_split_is_empty():
+    def draw(rng):
+        return {"n": rng.randrange(1000)}
+
+    def content(sample):
+        return sample["n"]
+
+    def one(split, index, seed=0):
+        return split_sample("t", seed=seed, split=split, index=index, draw=draw, content=content)
+
+    train = {one("train", i)["n"] for i in range(-50, 500)}
+    validation = {one("validation", i)["n"] for i in range(100)}
+    assert not train & validation and all(is_validation(n) for n in validation)
+    assert one("train", 7) == one("train", 7) and [one("train", i) for i in range(5)] != [
+        one("train", i, seed=1) for i in range(5)
+    ]
+    only_train = next(n for n in range(100) if not is_validation(n))
+    with pytest.raises(RuntimeError, match="t: no validation sample"):
+        split_sample(
+            "t", seed=0, split="validation", index=0, draw=lambda rng: only_train, content=int
+        )

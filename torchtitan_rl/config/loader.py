@@ -6,8 +6,11 @@ them. Every user mistake raises ConfigError with one line naming the key and wha
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import enum
 import importlib.util
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +150,16 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
                 f"{key} must be one of {', '.join(map(repr, choices))}; got {value!r}"
             )
         return value
+    if origin in (typing.Union, types.UnionType):  # Optional[X]: TOML has no null, so an X
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(options) == 1:
+            return _coerce(key, value, options[0])
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):  # set by its value
+        try:
+            return hint(value)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in hint)
+            raise ConfigError(f"{key} must be one of {choices}; got {value!r}") from None
     if hint is bool:
         ok = isinstance(value, bool)
     elif hint is int:
@@ -156,10 +169,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         value = float(value) if ok else value
     elif hint is str:
         ok = isinstance(value, str)
-    elif origin is tuple:
+    elif origin is tuple or hint is tuple:
         ok = isinstance(value, list | tuple)
         value = tuple(value) if ok else value
-    elif origin is list:
+    elif origin in (list, collections.abc.Sequence) or hint is list:
         ok = isinstance(value, list | tuple)
         value = list(value) if ok else value
     elif origin is dict:
@@ -285,12 +298,16 @@ def to_toml(config: Config) -> str:
             args = config.env_args()
             lines.append("[env.args]")
             for af in dataclasses.fields(args) if args is not None else ():
+                if getattr(args, af.name) is None:
+                    continue  # TOML has no null: an omitted key keeps its default, None
                 lines.append(f"{af.name} = {toml_value(getattr(args, af.name))}")
             lines.append("")
     return "\n".join(lines)
 
 
 def toml_value(value: Any) -> str:
+    if isinstance(value, enum.Enum):
+        value = value.value
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from torchtitan_rl.envs.alphabet_sort import AlphabetSort
@@ -16,6 +17,7 @@ from torchtitan_rl.envs.base import (
 )
 from torchtitan_rl.envs.calculator import Calculator
 from torchtitan_rl.envs.countdown import Countdown
+from torchtitan_rl.envs.reasoning_gym_hub import reasoning_gym_environment
 
 ENVS: dict[str, type[Environment]] = {
     "alphabet_sort": AlphabetSort,
@@ -24,14 +26,24 @@ ENVS: dict[str, type[Environment]] = {
 }
 """The built-in environments, by the name `env.name` selects."""
 
+HUBS: dict[str, Callable[[str], type[Environment]]] = {
+    "reasoning_gym": reasoning_gym_environment,
+}
+"""Environment hubs, by the prefix of `env.name = "<hub>:<name>"`: each maps the name to an
+Environment class, importing the hub's package only then (ValueError if it is missing)."""
+
 
 def resolve_environment(name: str) -> type[Environment]:
-    """A built-in name, or "package.module:ClassName" of an `Environment` subclass."""
+    """A built-in name, "<hub>:<name>" of a `HUBS` environment, or "package.module:ClassName"
+    of an `Environment` subclass."""
+    hub, _, hub_name = name.partition(":")
+    if hub in HUBS:
+        return HUBS[hub](hub_name)
     if ":" not in name:
         if name not in ENVS:
             raise ValueError(
-                f"env.name must be one of {sorted(ENVS)} or 'package.module:ClassName', "
-                f"got {name!r}"
+                f"env.name must be one of {sorted(ENVS)}, '<hub>:<name>' with a hub of "
+                f"{sorted(HUBS)}, or 'package.module:ClassName', got {name!r}"
             )
         return ENVS[name]
     module_name, _, class_name = name.partition(":")
@@ -54,6 +66,7 @@ def build_environment(config: EnvConfig, seed: int, args: Any = None) -> Environ
 
 __all__ = [
     "ENVS",
+    "HUBS",
     "EnvConfig",
     "Environment",
     "MessageEnv",

@@ -31,8 +31,6 @@ broken by the full name.
 from __future__ import annotations
 
 import difflib
-import hashlib
-import json
 import random
 import re
 from dataclasses import dataclass
@@ -43,6 +41,7 @@ from typing import Any
 
 from torchtitan_rl.checks import check_range
 from torchtitan_rl.envs.base import EnvConfig, Environment, MessageEnv, Rubric, StepResult
+from torchtitan_rl.envs.split import Split, split_sample
 from torchtitan_rl.types import Message, Rollout
 
 NAMES_PATH = Path(__file__).parent / "data" / "names.txt"
@@ -52,10 +51,6 @@ COMBINED_TAG = "combined_alphabetical_sorted"
 NEW_MARK = " // new name!"
 TURN_SCORE = "turn_score"
 """Key of the per-turn score in `StepResult.reward_signals`."""
-VALIDATION_ONE_IN = 8
-"""One sample content in this many is held out for validation (decided by a content hash)."""
-MAX_DRAWS = 10_000
-"""Redraws allowed to land a sample on its split; reaching it means a broken hash split."""
 
 
 class SortBy(StrEnum):
@@ -226,15 +221,15 @@ class AlphabetSort(Environment):
             start += count
         return {"sort_by": str(sort_by), "names_per_turn": names_per_turn}
 
-    def _sample(self, split: str, index: int) -> dict[str, Any]:
-        # Which split a sample belongs to is a function of its content, so the two
-        # sets are disjoint; each (split, seed, index) has its own random stream.
-        rng = random.Random(f"alphabet_sort/{split}/{self.seed}/{index}")
-        for _ in range(MAX_DRAWS):
-            sample = self._draw(rng)
-            if is_validation_content(sample) == (split == "validation"):
-                return sample
-        raise AssertionError(f"no {split} sample after {MAX_DRAWS} draws")
+    def _sample(self, split: Split, index: int) -> dict[str, Any]:
+        return split_sample(
+            "alphabet_sort",
+            seed=self.seed,
+            split=split,
+            index=index,
+            draw=self._draw,
+            content=lambda s: [s["sort_by"], s["names_per_turn"]],
+        )
 
     def train_sample(self, index: int) -> dict[str, Any]:
         return self._sample("train", index)
@@ -254,9 +249,3 @@ class AlphabetSort(Environment):
             messages.append({"role": "user", "content": user_prompt(sample, turn)})
             messages.append({"role": "assistant", "content": gold_reply(sample, turn)})
         return messages
-
-
-def is_validation_content(sample: dict[str, Any]) -> bool:
-    content = json.dumps([sample["sort_by"], sample["names_per_turn"]]).encode()
-    digest = hashlib.blake2b(content, digest_size=8).digest()
-    return int.from_bytes(digest, "little") % VALIDATION_ONE_IN == 0

@@ -26,8 +26,6 @@ functions record the tool calls per rollout and whether the tool was used at all
 from __future__ import annotations
 
 import ast
-import hashlib
-import json
 import random
 import re
 from dataclasses import dataclass
@@ -35,6 +33,7 @@ from typing import Any
 
 from torchtitan_rl.envs.arithmetic import Parsed, format_value, parse
 from torchtitan_rl.envs.base import EnvConfig, Environment, MessageEnv, Rubric, StepResult
+from torchtitan_rl.envs.split import Split, split_sample
 from torchtitan_rl.types import Message, Rollout
 
 SCORE = "calculator_score"
@@ -45,10 +44,6 @@ MAX_DIGITS = 6
 """Most digits of an operand: 6-digit products stay under arithmetic.MAX_ABS = 10**12."""
 MAX_ANSWER_DIGITS = 20
 """Longer "integers" in <answer> are wrong, never parsed (int() refuses > 4300 digits)."""
-VALIDATION_ONE_IN = 8
-"""One sample content in this many is held out for validation (decided by a content hash)."""
-MAX_DRAWS = 10_000
-"""Redraws allowed to land a sample on its split; reaching it means a broken hash split."""
 CALC = re.compile(r"<calc>(.*?)</calc>", re.DOTALL | re.IGNORECASE)
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 INTEGER = re.compile(rf"-?[0-9]{{1,{MAX_ANSWER_DIGITS}}}")
@@ -170,19 +165,19 @@ class Calculator(Environment):
         digits = rng.randint(self.section.min_digits, self.section.max_digits)
         return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1)
 
-    def _sample(self, split: str, index: int) -> dict[str, Any]:
-        # Which split a sample belongs to is a function of its content, so the two
-        # sets are disjoint; each (split, seed, index) has its own random stream.
-        rng = random.Random(f"calculator/{split}/{self.seed}/{index}")
-        for _ in range(MAX_DRAWS):
-            sample = {
-                "a": self._operand(rng),
-                "op": rng.choice(self.section.operations),
-                "b": self._operand(rng),
-            }
-            if is_validation(sample) == (split == "validation"):
-                return sample
-        raise AssertionError(f"no {split} sample after {MAX_DRAWS} draws")
+    def _draw(self, rng: random.Random) -> dict[str, Any]:
+        a, op = self._operand(rng), rng.choice(self.section.operations)
+        return {"a": a, "op": op, "b": self._operand(rng)}
+
+    def _sample(self, split: Split, index: int) -> dict[str, Any]:
+        return split_sample(
+            "calculator",
+            seed=self.seed,
+            split=split,
+            index=index,
+            draw=self._draw,
+            content=lambda s: [s["a"], s["op"], s["b"]],
+        )
 
     def train_sample(self, index: int) -> dict[str, Any]:
         return self._sample("train", index)
@@ -210,9 +205,3 @@ class Calculator(Environment):
             {"role": "user", "content": tool_reply(expression)},
             {"role": "assistant", "content": f"<answer>{answer_of(sample)}</answer>"},
         ]
-
-
-def is_validation(sample: dict[str, Any]) -> bool:
-    content = json.dumps([sample["a"], sample["op"], sample["b"]]).encode()
-    digest = hashlib.blake2b(content, digest_size=8).digest()
-    return int.from_bytes(digest, "little") % VALIDATION_ONE_IN == 0

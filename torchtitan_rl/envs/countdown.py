@@ -18,8 +18,6 @@ without raising.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 import re
 from collections import Counter
@@ -29,12 +27,11 @@ from typing import Any
 
 from torchtitan_rl.envs.arithmetic import Parsed, parse
 from torchtitan_rl.envs.base import EnvConfig, Environment, MessageEnv, Rubric, StepResult
+from torchtitan_rl.envs.split import Split, split_sample
 from torchtitan_rl.types import Message, Rollout
 
 SCORE = "countdown_score"
 SOLVED = "countdown_solved"
-VALIDATION_ONE_IN = 8
-MAX_DRAWS = 10_000
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 
 
@@ -208,13 +205,15 @@ class Countdown(Environment):
         target = rng.choice(sorted(reachable))
         return {"numbers": numbers, "target": int(target), "solution": found[target]}
 
-    def _sample(self, split: str, index: int) -> dict[str, Any]:
-        rng = random.Random(f"countdown/{split}/{self.seed}/{index}")
-        for _ in range(MAX_DRAWS):
-            sample = self._draw(rng)
-            if sample is not None and is_validation(sample) == (split == "validation"):
-                return sample
-        raise AssertionError(f"no {split} sample after {MAX_DRAWS} draws")
+    def _sample(self, split: Split, index: int) -> dict[str, Any]:
+        return split_sample(
+            "countdown",
+            seed=self.seed,
+            split=split,
+            index=index,
+            draw=self._draw,
+            content=lambda s: [sorted(s["numbers"]), s["target"]],
+        )
 
     def train_sample(self, index: int) -> dict[str, Any]:
         return self._sample("train", index)
@@ -242,9 +241,3 @@ def demonstration_reply(sample: dict[str, Any], show_work: bool) -> str:
     parsed = parse(sample["solution"])
     assert isinstance(parsed, Parsed), sample
     return " ".join([*parsed.steps, answer])
-
-
-def is_validation(sample: dict[str, Any]) -> bool:
-    content = json.dumps([sorted(sample["numbers"]), sample["target"]]).encode()
-    digest = hashlib.blake2b(content, digest_size=8).digest()
-    return int.from_bytes(digest, "little") % VALIDATION_ONE_IN == 0

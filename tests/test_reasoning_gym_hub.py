@@ -1,0 +1,214 @@
+"""reasoning-gym datasets by name: their config checked, their prompts, their scorer, a split
+that shares no question, gold-answer demonstrations, and two RL steps through Monarch."""
+
+import asyncio
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("reasoning_gym")
+
+from fakes import FakeRenderer, ScriptedGenerate  # noqa: E402
+
+from torchtitan_rl.config import ConfigError, load_config, to_toml  # noqa: E402
+from torchtitan_rl.envs import build_environment  # noqa: E402
+from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter  # noqa: E402
+from torchtitan_rl.types import RolloutStatus  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "train_configs" / "spell_backward_tiny.toml"
+NAME = "reasoning_gym:spell_backward"
+
+
+def _config(*overrides: str, path=None):
+    return load_config(path, [f"--env.name={NAME}", "--warm_start.steps=0", *overrides])
+
+
+def _env(*overrides: str):
+    config = _config(*overrides)
+    return build_environment(config.env, config.job.seed, config.env_args())
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("--env.args.max_len=4", f"env.args of {NAME!r}: unknown key env.args.max_len"),
+        ("--env.args.max_word_len=two", "env.args.max_word_len: expected int"),
+        ("--env.args.max_word_len=2", "max_word_len must be >= min_word_len"),  # its assert
+        ("--env.args.system_prompt=terse", "system_prompt must be one of"),
+        ("--env.name=reasoning_gym:spell_backwards", "no dataset 'spell_backwards'"),
+    ],
+)
+def test_env_args_are_checked_against_the_datasets_own_config(override, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)) as info:
+        _config(override)
+    assert "\n" not in str(info.value)
+
+
+def test_env_args_reach_the_dataset_and_the_job_seed_is_its_default_seed():
+    env = _env("--env.args.min_word_len=6", "--env.args.max_word_len=6", "--job.seed=3")
+    assert env.dataset.seed == 3 and env.dataset.config.max_word_len == 6
+    words = [env.train_sample(i)["question"].rsplit(" ", 1)[1] for i in range(30)]
+    assert all(len(w) == 6 for w in words)
+    assert _env("--env.args.seed=9").dataset.seed == 9
+
+
+def test_the_saved_config_reloads_enums_tuples_and_an_unset_seed(tmp_path):
+    from reasoning_gym.algorithmic.word_sorting import TextTransformation
+
+    config = load_config(
+        None,
+        [
+            "--env.name=reasoning_gym:word_sorting",
+            "--env.args.transformation=uppercase",  # an Enum, set by its value
+            "--env.args.seed=5",  # Optional[int]
+            "--warm_start.steps=0",
+        ],
+    )
+    assert config.env_args().transformation is TextTransformation.UPPERCASE
+    unset = _config()  # spell_backward's seed stays None: omitted (TOML has no null)
+    assert "seed =" not in to_toml(unset).split("[env.args]")[1].split("[")[0]
+    for job in (config, unset):
+        (tmp_path / "saved.toml").write_text(to_toml(job))
+        assert load_config(tmp_path / "saved.toml").env_args() == job.env_args()
+    with pytest.raises(ConfigError, match="transformation must be one of 'lowercase'"):
+        load_config(None, ["--env.name=reasoning_gym:word_sorting", "--env.args.transformation=x"])
+
+
+def test_size_is_the_pool_of_item_indices():
+    env = _env("--env.args.size=40")
+    indices = {env.train_sample(i)["index"] for i in range(200)}
+    assert indices <= set(range(40)) and len(indices) > 20
+
+
+def test_train_and_validation_share_no_question():
+    env = _env("--env.args.size=3000", "--env.args.max_word_len=4")
+    train = {env.train_sample(i)["question"] for i in range(-200, 2000)}
+    validation = {s["question"] for s in env.validation_samples(300)}
+    assert len(validation) > 100 and len(train) > 1000
+    assert not train & validation
+    assert env.validation_samples(5) == env.validation_samples(5)
+
+
+def test_prompts_come_from_the_dataset_with_its_system_prompt():
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    env = _env()
+    sample = env.train_sample(0)
+    entry = env.dataset[sample["index"]]
+    messages = asyncio.run(env.make_env(sample).init())
+    assert messages == [
+        {"role": "system", "content": SYSTEM_PROMPTS["direct"]},
+        {"role": "user", "content": entry["question"]},
+    ]
+    bare = asyncio.run(_env("--env.args.system_prompt=").make_env(sample).init())
+    assert bare == [{"role": "user", "content": entry["question"]}]
+
+
+def _rollouter(env, group_size=4):
+    rollout = RolloutConfig(group_size=group_size, prompts_per_step=1)
+    return Rollouter(env, FakeRenderer(), env.config, rollout, seed=0)
+
+
+def test_rewards_come_from_the_datasets_scorer():
+    env = _env()
+    sample = env.train_sample(0)
+    gold = sample["answer"]
+    replies = [f"<answer>{gold}</answer>", f"<answer>{gold[0]}??</answer>", gold, "<answer>"]
+    generate = ScriptedGenerate(lambda call: replies[int(call.request_id.split("=")[3][0])])
+    group = asyncio.run(_rollouter(env).run_group_rollouts(sample, generate, group_id=0, step=1))
+    rewards = [r.reward for r in group.rollouts]
+    entry = env.dataset[sample["index"]]
+    assert rewards[0] == 1.0 and rewards[2] == rewards[3] == 0.0  # no <answer> block: 0
+    assert rewards[1] == env.dataset.score_answer(f"{gold[0]}??", entry) == 1 / len(gold)
+    assert group.rollouts[0].reward_breakdown == {"score_answer": 1.0}
+
+
+def test_a_raising_scorer_marks_the_rollout_error_reward(monkeypatch):
+    env = _env()
+
+    def broken(answer, entry):
+        raise KeyError("metadata")
+
+    monkeypatch.setattr(env.dataset, "score_answer", broken)
+    generate = ScriptedGenerate(lambda call: "<answer>x</answer>")
+    sample = env.train_sample(0)
+    group = asyncio.run(_rollouter(env, 2).run_group_rollouts(sample, generate, group_id=0, step=1))
+    assert {r.status for r in group.rollouts} == {RolloutStatus.ERROR_REWARD}
+    assert group.rollouts[0].error == "KeyError: 'metadata'"
+
+
+def test_demonstrations_answer_with_the_gold_answer_which_scores_one():
+    env = _env()
+    for i in range(1, 30):
+        sample = env.train_sample(-i)
+        demo = env.demonstration(sample)
+        assert demo[:-1] == asyncio.run(env.make_env(sample).init())
+        assert demo[-1] == {"role": "assistant", "content": f"<answer>{sample['answer']}</answer>"}
+        assert env.dataset.score_answer(sample["answer"], env.dataset[sample["index"]]) == 1.0
+    with pytest.raises(ValueError, match="has no gold answer"):
+        env.demonstration({**sample, "answer": None})
+
+
+def test_a_hub_that_is_not_installed_is_one_line(monkeypatch):
+    from torchtitan_rl.envs import reasoning_gym_hub
+
+    reasoning_gym_hub.reasoning_gym_environment.cache_clear()
+    monkeypatch.setattr(reasoning_gym_hub.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=re.escape("needs reasoning-gym, which is not installed")):
+        _config()
+    reasoning_gym_hub.reasoning_gym_environment.cache_clear()
+
+
+def test_the_config_runs_spell_backward_and_its_demonstrations_fit():
+    from torchtitan_rl.models.renderer import Renderer
+    from torchtitan_rl.models.tokenizer import Tokenizer
+
+    config = load_config(CONFIG)
+    env = build_environment(config.env, 0, config.env_args())
+    renderer = Renderer(Tokenizer.from_file(None))
+    demos = [env.demonstration(env.train_sample(-i)) for i in range(1, 200)]
+    longest = max(len(renderer.render_prompt(d)) for d in demos)
+    assert longest <= min(config.batcher.seq_len, config.env.max_rollout_tokens)
+    answers = [len(renderer.tokenizer.encode(d[-1]["content"])) for d in demos]
+    assert max(answers) < config.rollout.max_tokens  # room for the stop token
+
+
+@pytest.mark.slow
+def test_spell_backward_trains_two_rl_steps_through_monarch(tmp_path):
+    from torchtitan_rl.controller.loop import Controller
+
+    config = load_config(
+        CONFIG,
+        [
+            f"--job.output_dir={tmp_path}",
+            "--training.steps=2",
+            "--warm_start.steps=2",
+            "--warm_start.target_loss=0",
+            "--warm_start.batch_size=4",
+            "--rollout.group_size=4",
+            "--rollout.prompts_per_step=2",
+            "--rollout.filter_zero_std_groups=false",
+            "--validation.num_samples=4",
+            "--checkpoint.interval=0",
+        ],
+    )
+
+    async def run():
+        controller = Controller(config, use_tqdm=False)
+        try:
+            await controller.start()
+            await controller.warm_start()
+            steps = [await controller.rl_step(step) for step in (1, 2)]
+            await controller.validate(2)
+            return steps, controller.last_validation
+        finally:
+            await controller.close()
+
+    steps, validation = asyncio.run(run())
+    assert [m["trainer/policy_version"] for m in steps] == [3, 4]
+    assert all(
+        m["rollout/num_rollouts"] == 8 and m["rollout/num_error_rollouts"] == 0 for m in steps
+    )
+    assert 0.0 <= validation <= 1.0
