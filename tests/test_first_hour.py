@@ -244,3 +244,14 @@ def test_the_dashboard_charts_validation_rubric_async_and_warm_start_apart():
     assert not any(
         p.startswith("warm_start/") for n, ps in charts.items() if n not in warm for p in ps
     )
+
+
+@pytest.mark.usefixtures("package_logger_restored")
+def test_nothing_to_train_on_is_said_once_not_every_step(tmp_path, caplog):
+    diagnostics = StepDiagnostics(tmp_path, EnvConfig(), max_tokens=8)
+    logging.getLogger("torchtitan_rl").propagate = True
+    with caplog.at_level(logging.WARNING, logger="torchtitan_rl"):
+        for step in (3, 4, 7):
+            diagnostics.report_nothing_to_train(step)
+    assert caplog.text.count("nothing to train on") == 1
+    assert "step 3: nothing to train on" in caplog.text

@@ -66,6 +66,8 @@ def help_text(config: Config) -> str:
         "this repository); every key below can be overridden on the command line. Values",
         "shown are the ones in effect: the defaults, then CONFIG_FILE, then the overrides.",
         "--debug shows tracebacks; --print-config prints the resolved config and exits.",
+        'A job file may start with `extends = "<file>"` (looked up next to it, then in',
+        "train_configs/): it starts from that file, and its own sections override it.",
         "",
     ]
     for f in dataclasses.fields(config):

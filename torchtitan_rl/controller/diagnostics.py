@@ -55,6 +55,8 @@ class StepDiagnostics:
         self.max_tokens = max_tokens
         self.max_error_steps = max_error_steps
         self._warned: set[RolloutStatus] = set()
+        self._idle_steps = 0
+        """Steps that had nothing to train on so far."""
         self._error_steps = 0
         """Consecutive training steps so far in which every rollout errored."""
 
@@ -100,6 +102,16 @@ class StepDiagnostics:
                 f"-{step}): the run trains on nothing, so it stops (rollout.max_error_steps={n}); "
                 f"first error: {errored[0].error}; tracebacks in {self.errors_log}"
             )
+
+    def report_nothing_to_train(self, step: int) -> None:
+        """A step without a single loss token: said at the first such step, then counted
+        (`trainer/*` tags are simply absent at those steps)."""
+        self._idle_steps += 1
+        if self._idle_steps == 1:
+            logger.warning(
+                "step %d: nothing to train on (no group had reward spread); later steps like "
+                "it are not announced", step,
+            )  # fmt: skip
 
     def report_dropped(self, step: int, dropped: float, kept: float, seq_len: int) -> None:
         """Episodes the batcher dropped for not fitting a row (once per run)."""

@@ -354,7 +354,7 @@ class Controller:
                 updates.append(batches)
         metrics = results(merge(packed))
         if not updates:
-            logger.warning("step %d: nothing to train on (no group had reward spread)", step)
+            self.diagnostics.report_nothing_to_train(step)
             return metrics
         out = await self.trainer.train_step.call(updates, self.config.rollout.temperature)
         return {**metrics, **next(iter(out.values()))}
