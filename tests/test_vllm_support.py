@@ -164,3 +164,26 @@ def test_hot_swap_versions_are_the_same_with_or_without_vllm_labels(fake):
     assert adds.index("finish long#0") < adds.index("add late#1"), "late waited for the reset"
     assert ("label 1" in llm.events) == (fake is Fake032)
     assert llm.events[-1] == "shutdown"
+
+
+def test_vllm_logs_keep_warnings_but_not_the_one_every_sync_repeats(package_logger_restored):
+    import io
+    import logging
+
+    from torchtitan_rl.generation.vllm_engine import EXPECTED_RELOAD_WARNING, quiet_vllm_logs
+
+    vllm_logger = logging.getLogger("vllm")
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    vllm_logger.addHandler(handler)
+    level = vllm_logger.level
+    try:
+        logging.getLogger("torchtitan_rl").setLevel(logging.WARNING)
+        quiet_vllm_logs()
+        vllm_logger.info("Loading weights took 0.1 s")
+        vllm_logger.warning(EXPECTED_RELOAD_WARNING)
+        vllm_logger.warning("KV cache is too small")
+    finally:
+        vllm_logger.removeHandler(handler)
+        vllm_logger.setLevel(level)
+    assert stream.getvalue() == "KV cache is too small\n"

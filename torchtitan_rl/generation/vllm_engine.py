@@ -50,6 +50,27 @@ from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+EXPECTED_RELOAD_WARNING = "RotaryEmbedding: Failed to load weights"
+"""vLLM says this at every weight reload: rotary embeddings hold no weights (their cos/sin
+cache is computed), so nothing was loaded into them, as expected."""
+
+
+def _not_expected(record: logging.LogRecord) -> bool:
+    return record.getMessage() != EXPECTED_RELOAD_WARNING
+
+
+def quiet_vllm_logs() -> None:
+    """vLLM's own logger at WARNING unless this package logs at INFO (`--debug`), and without
+    the warning every weight sync repeats (EXPECTED_RELOAD_WARNING): the run's console keeps
+    the lines that say something."""
+    vllm_logger = logging.getLogger("vllm")
+    if not logging.getLogger("torchtitan_rl").isEnabledFor(logging.INFO):
+        vllm_logger.setLevel(logging.WARNING)
+    for handler in vllm_logger.handlers:
+        if _not_expected not in handler.filters:
+            handler.addFilter(_not_expected)
+
+
 FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
 
@@ -112,6 +133,7 @@ def start_vllm_engine(
         logprobs_mode="processed_logprobs",
         max_logprobs=-1,
     )
+    quiet_vllm_logs()
     llm = LLMEngine.from_engine_args(args)
     features = detect_features(llm)
     logger.info("vLLM %s on %s: %s", vllm.__version__, device, features.describe())
