@@ -335,7 +335,7 @@ class Controller:
         """What every generator is doing, for a step that waited too long for its batch."""
         fns = self.router.replicas if self.router is not None else [self.generate_fn]
         phrases = [fn.activity() for fn in fns]
-        if all("no request in flight" in p for p in phrases):
+        if not any(fn.in_flight for fn in fns):
             phrases.append(
                 "so the rollouts wait on the environment (env.step_timeout_s="
                 f"{self.config.env.step_timeout_s:g})"
