@@ -8,7 +8,8 @@ per second, who waits for whom, time to first token and the generator/trainer lo
 Runs `./run_train.sh` (CONFIG_FILE as in the environment, default the 0.6B GPU job) once per
 (staleness, prompts_per_step) pair, one after another (a staleness "1s" runs rollout.ahead =
 "streaming", a plain number "pipelined"), and reads each run's TensorBoard
-scalars. The first `--skip` steps pay one-time costs (compile, the pipeline filling) and are
+scalars. `--layouts 1+1 1+3 2+2 1+1:shared` repeats each run per GPU layout (trainer GPUs +
+generator GPUs, `parallelism.placement`). The first `--skip` steps pay one-time costs (compile, the pipeline filling) and are
 left out of the means. The physical floor of an overlapped step is max(generation, training) + sync: the
 synchronous step pays generation + training + sync.
 """
@@ -53,6 +54,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--staleness", nargs="+", default=["0", "1", "1s", "2"])
     p.add_argument("--prompts", type=int, nargs="+", default=[8, 32], help="prompts_per_step")
     p.add_argument("--backends", nargs="+", default=["native"], help="generator.backend values")
+    p.add_argument(
+        "--layouts", nargs="+", default=["config"],
+        help='GPU layouts: "T+R" = T trainer GPUs (FSDP) + R generator GPUs (placement split), '
+        '"T+R:shared" = the R replicas on the trainer\'s GPUs; "config" = as the job says',
+    )  # fmt: skip
     p.add_argument("--common", default="", help="overrides for every run")
     p.add_argument("--skip", type=int, default=2, help="first RL steps left out of the means")
     return p.parse_args()
@@ -65,6 +71,16 @@ SMOKE = (
     "--generator.max_num_seqs=8"
 )
 """A job small enough for the test suite: the tiny model on CPU, 3 RL steps."""
+
+
+def layout_overrides(layout: str) -> list[str]:
+    """`--layouts` entry -> overrides: "1+3" -> 1 trainer process, 3 replicas, split."""
+    if layout == "config":
+        return []
+    procs, _, placement = layout.partition(":")
+    trainer, replicas = procs.split("+")
+    return [f"--parallelism.trainer_procs={trainer}", f"--generator.num_replicas={replicas}",
+            f"--parallelism.placement={placement or 'split'}"]  # fmt: skip
 
 
 def run_one(out: Path, name: str, overrides: list[str], skip: int, config: str) -> dict:
@@ -82,6 +98,9 @@ def run_one(out: Path, name: str, overrides: list[str], skip: int, config: str) 
         values = [v for s, v in scalars.get(tag, []) if s > skip]
         row[key] = statistics.fmean(values) if values else float("nan")
     row["tokens_per_s"] = row["tokens"] / row["step_s"]
+    processes = out / name / "processes.json"  # peak GPU memory per process (GiB)
+    if processes.exists():
+        row["peak_gib"] = [w.get("peak_reserved_gib") for w in json.loads(processes.read_text())]
     row["floor_s"] = max(row["gen_s"], row["train_s"]) + row["sync_s"]
     return row
 
@@ -95,18 +114,22 @@ def main() -> None:
     out = Path(args.out or Path(os.environ.get("OUT", "outputs")) / "bench_async").resolve()
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for prompts, n, backend in itertools.product(args.prompts, args.staleness, args.backends):
+    runs = itertools.product(args.layouts, args.prompts, args.staleness, args.backends)
+    for layout, prompts, n, backend in runs:
         name = f"n{n}_p{prompts}" + (f"_{backend}" if len(args.backends) > 1 else "")
+        name += f"_{layout.replace('+', 'p').replace(':', '_')}" if layout != "config" else ""
         ahead = "streaming" if n.endswith("s") else "pipelined"
         overrides = [*shlex.split(args.common), f"--rollout.max_staleness={n.rstrip('s')}",
                      f"--rollout.ahead={ahead}", f"--rollout.prompts_per_step={prompts}",
-                     f"--generator.backend={backend}"]  # fmt: skip
+                     f"--generator.backend={backend}", *layout_overrides(layout)]  # fmt: skip
         row = run_one(out, name, overrides, args.skip, config)
-        rows.append({"backend": backend, "staleness": n, "prompts": prompts, **row})
+        rows.append(
+            {"layout": layout, "backend": backend, "staleness": n, "prompts": prompts, **row}
+        )
         print(json.dumps(rows[-1]), flush=True)
-    cols = ("backend", "staleness", "prompts", "step_s", "floor_s", "gen_s", "train_s", "sync_s",
+    cols = ("layout", "backend", "staleness", "prompts", "step_s", "floor_s", "gen_s", "train_s", "sync_s",
             "trainer_wait_s", "generator_wait_s", "tokens_per_s", "staleness_max", "ttft_ms",
-            "logprob_diff_mean", "logprob_diff_max")  # fmt: skip
+            "logprob_diff_mean", "logprob_diff_max", "peak_gib")  # fmt: skip
     print(" | ".join(cols))
     for row in rows:
         print(" | ".join(f"{row.get(c, float('nan')):.3f}" if isinstance(row.get(c), float)

@@ -62,22 +62,29 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=QWEN3_VOCAB)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--generator-gpu", type=int, default=0,
+        help="GPU of the generator process (the trainer is on GPU 0): 1 = across two GPUs",
+    )  # fmt: skip
     args = p.parse_args()
     if args.smoke:
         args.flavor, args.vocab, args.dtype, args.repeats = "tiny", 96, "float32", 2
     return args
 
 
-def copy_seconds(nbytes: int, device: torch.device, repeats: int = 5) -> float:
-    """Median time of one copy of `nbytes` bytes on `device`."""
+def copy_seconds(
+    nbytes: int, device: torch.device, repeats: int = 5, to: torch.device | None = None
+) -> float:
+    """Median time of one copy of `nbytes` bytes from `device` to `to` (default: itself)."""
+    to = to or device
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=to)
     times = []
     for _ in range(repeats + 1):
-        _sync(device)
+        _sync(device), _sync(to)
         t0 = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        _sync(device), _sync(to)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
@@ -120,7 +127,7 @@ async def run(args, device: str) -> dict:
         engine = EngineConfig(dtype=args.dtype, max_num_seqs=4, max_seq_len=256, cuda_graphs=False)
         generator = generator_procs.spawn(
             "generator", GeneratorActor, model=model, engine=engine, vocab_size=args.vocab,
-            device=device,
+            device=device, gpu=args.generator_gpu if device == "cuda" else None,
         )  # fmt: skip
         transport = await choose_transport(trainer, [generator])
         out = await trainer.publish_weights.call(args.dtype)
@@ -159,8 +166,12 @@ def main() -> None:
         "repeats": args.repeats,
     }
     results.update(asyncio.run(run(args, device)))
-    floor = copy_seconds(results["weight_bytes"], torch.device(device))
-    results["floor"] = {"median_s": floor, "copy_GBps": 2 * results["weight_bytes"] / floor / 1e9}
+    to = torch.device("cuda", args.generator_gpu) if device == "cuda" else None
+    floor = copy_seconds(results["weight_bytes"], torch.device(device), to=to)
+    results["generator_gpu"] = args.generator_gpu if device == "cuda" else None
+    # one GPU: the copy reads and writes its memory; two: the bytes cross the link once
+    moved = (1 if results["generator_gpu"] else 2) * results["weight_bytes"]
+    results["floor"] = {"median_s": floor, "copy_GBps": moved / floor / 1e9}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_weight_sync.json").write_text(json.dumps(results, indent=2))
@@ -186,7 +197,8 @@ def print_table(results: dict) -> None:
                 f"{r['trainer_side_median_s'] * 1e3:>15.1f} | {r['cold_s'] * 1e3:>9.1f} |"
             )
     f = results["floor"]
-    floor_name = f"floor: one copy at {f['copy_GBps']:,.0f} GB/s (read + write)"
+    how = "GPU 0 -> 1" if results.get("generator_gpu") else "read + write"
+    floor_name = f"floor: one copy at {f['copy_GBps']:,.0f} GB/s ({how})"
     print(f"| {floor_name:<46} | {f['median_s'] * 1e3:>9.2f} | {'':>15} | {'':>9} |")
 
 

@@ -12,6 +12,7 @@ from torchtitan_rl.config import ConfigError, load_config
 from torchtitan_rl.config.job import ParallelismConfig
 from torchtitan_rl.controller.diagnostics import StepDiagnostics
 from torchtitan_rl.controller.loop import Controller
+from torchtitan_rl.controller.placement import Placement, plan
 from torchtitan_rl.envs.base import EnvConfig
 from torchtitan_rl.rollout.records import read_records, write_step_records
 from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
@@ -40,7 +41,7 @@ def test_more_trainer_processes_than_gpus_stops_before_any_process(tmp_path, mon
     monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
     assert main([f"--job.output_dir={tmp_path}", "--parallelism.device=cuda"]) == 2
     assert 'device = "cuda", but no CUDA device is visible' in capsys.readouterr().err
-    ParallelismConfig(trainer_procs=2, device="cpu").check_gpus()  # CPU: any count
+    assert plan(ParallelismConfig(trainer_procs=2, device="cpu"), 4) == Placement()  # CPU: any
 
 
 def test_demonstrations_that_never_fit_a_row_stop_before_any_process(tmp_path):

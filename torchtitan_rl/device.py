@@ -16,18 +16,48 @@ DTYPE_NAMES = get_args(DtypeName)
 assert set(DTYPE_NAMES) == set(DTYPES)
 
 
-def pick_device(kind: str, cpu_threads: int = 0) -> torch.device:
-    """The device for this process: its local GPU under "cuda"/"auto" when present, else CPU
-    (then torch uses `cpu_threads` threads in this process, when given)."""
+def pick_device(kind: str, cpu_threads: int = 0, gpu: int | None = None) -> torch.device:
+    """The device for this process: GPU `gpu` (the placement's choice; default: its local
+    rank's GPU) under "cuda"/"auto" when CUDA is present, else CPU (then torch uses
+    `cpu_threads` threads in this process, when given)."""
     if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
         if cpu_threads:
             torch.set_num_threads(cpu_threads)
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("parallelism.device: 'cuda' asked for, but no CUDA device is visible")
-    local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-    torch.cuda.set_device(local)
-    return torch.device("cuda", local)
+    if gpu is None:
+        gpu = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(gpu)
+    return torch.device("cuda", gpu)
+
+
+def see_gpu_first(gpu: int) -> None:
+    """Make GPU `gpu` (an index among the GPUs visible now) this process's cuda:0 and keep
+    the others visible after it, so CUDA IPC from another GPU still opens (SharedReader finds
+    the trainer's GPU by UUID). vLLM puts its engine on cuda:0 whatever device it is given:
+    this is how a generator of either backend lands on its GPU. Runs before CUDA starts in
+    this process (device_count() reads NVML without starting it)."""
+    if torch.cuda.is_initialized():
+        raise RuntimeError("see_gpu_first: CUDA already started in this process")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join([ids[gpu], *ids[:gpu], *ids[gpu + 1 :]])
+
+
+def describe_device(device: torch.device) -> dict:
+    """Where this process computes, for the log and the run summary: host, pid, and on a GPU
+    its index, UUID and the peak memory torch has reserved on it so far."""
+    import socket
+
+    where = {"host": socket.gethostname(), "pid": os.getpid(), "device": str(device)}
+    if device.type == "cuda":
+        where |= {
+            "gpu": device.index,
+            "uuid": str(torch.cuda.get_device_properties(device).uuid),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 2),
+        }
+    return where
 
 
 def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:

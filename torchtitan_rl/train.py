@@ -84,7 +84,9 @@ def _train(config, debug: bool) -> int:
     except Exception as e:
         return _fail(e, debug, 1, prefix="importing torchtitan_rl failed: ")
     try:
-        config.parallelism.check_gpus()
+        from torchtitan_rl.controller.placement import plan
+
+        plan(config.parallelism, config.generator.num_replicas)  # GPUs short: one line, now
         controller = Controller(config)
         done = controller.completed_step()
         if done >= controller.last_step():

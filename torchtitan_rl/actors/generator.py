@@ -11,7 +11,7 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint
 
 from torchtitan_rl.actors.fault_log import enable_fault_log
-from torchtitan_rl.device import pick_device
+from torchtitan_rl.device import describe_device, pick_device, see_gpu_first
 from torchtitan_rl.generation.engine import Engine
 from torchtitan_rl.generation.interface import EngineConfig, GenerationEngine, error_completion
 from torchtitan_rl.models.qwen3 import ModelConfig, build_model, model_args
@@ -53,11 +53,16 @@ class GeneratorActor(Actor):
         actor_name: str = "generator",
         log_dir: str | None = None,
         hf_folder: str = "",
+        gpu: int | None = None,
     ):
         """`hf_folder`: where the vllm backend starts from (the policy exported by the
-        trainer, or model.hf_checkpoint); unused by the native engine."""
+        trainer, or model.hf_checkpoint); unused by the native engine. `gpu`: the GPU the
+        placement gave this replica (None: GPU 0); it becomes this process's cuda:0."""
         self.fault_log = enable_fault_log(log_dir, actor_name, 0)
-        dev = pick_device(device, cpu_threads)
+        self.actor_name, self.gpu = actor_name, gpu
+        if gpu is not None and device != "cpu":
+            see_gpu_first(gpu)
+        dev = self.device = pick_device(device, cpu_threads)
         self.engine = build_engine(model, engine, vocab_size, dev, hf_folder)
         self.shared_reader = SharedReader(dev)
 
@@ -103,16 +108,26 @@ class GeneratorActor(Actor):
 
     @concurrent_endpoint
     async def weights(self) -> dict[str, torch.Tensor]:
-        """The weights the native engine computes with now, as CPU tensors (tests,
-        debugging); vLLM keeps them in its kernels' layouts."""
-        if not isinstance(self.engine, Engine):
-            raise NotImplementedError("weights() reads the native engine only")
-        params = self.engine.runner.model.named_parameters(remove_duplicate=False)
+        """The weights the engine computes with now, as CPU tensors (tests, debugging): the
+        native engine's by our names; vLLM's by its names, in its fused layouts (qkv_proj,
+        gate_up_proj)."""
+        if isinstance(self.engine, Engine):
+            params = self.engine.runner.model.named_parameters(remove_duplicate=False)
+        else:
+            params = self.engine.model_parameters()
         return {k: v.detach().cpu() for k, v in params}
 
     @concurrent_endpoint
     async def policy_version(self) -> int:
         return self.engine.policy_version
+
+    @concurrent_endpoint
+    async def where(self) -> dict:
+        """This process's host, process and GPU (index, UUID, peak memory)."""
+        where = {"role": self.actor_name, "rank": 0, **describe_device(self.device)}
+        if self.gpu is not None and "gpu" in where:
+            where["gpu"] = self.gpu  # the host's index; cuda:0 in this process
+        return where
 
     @concurrent_endpoint
     async def pid(self) -> int:

@@ -8,7 +8,7 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from torchtitan_rl.actors.fault_log import enable_fault_log
-from torchtitan_rl.device import DTYPES, init_process_group, pick_device
+from torchtitan_rl.device import DTYPES, describe_device, init_process_group, pick_device
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models.hf_export import export_hf
@@ -45,10 +45,14 @@ class TrainerActor(Actor):
         cpu_threads: int = 0,
         tp: int = 1,
         log_dir: str | None = None,
+        gpus: tuple[int, ...] = (),
     ):
+        """`gpus`: the GPU of each trainer rank on its host, by local rank (the placement);
+        empty: the local rank's own index."""
         self.rank = current_rank().rank
         self.fault_log = enable_fault_log(log_dir, "trainer", self.rank)
-        dev = pick_device(device, cpu_threads)
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        dev = pick_device(device, cpu_threads, gpus[local] if gpus else None)
         init_process_group(dev)
         self.core = TrainerCore(
             model_config=model,
@@ -145,6 +149,11 @@ class TrainerActor(Actor):
             export_hf(
                 state, self.core.model.model_args, folder, hf_checkpoint=hf_checkpoint, dtype=dtype
             )
+
+    @endpoint
+    async def where(self) -> dict:
+        """This rank's host, process and GPU (index, UUID, peak memory)."""
+        return {"role": "trainer", "rank": self.rank, **describe_device(self.core.device)}
 
     @endpoint
     async def pid(self) -> int:

@@ -9,6 +9,7 @@ from torchtitan_rl.checks import check_range
 from torchtitan_rl.device import DTYPE_NAMES, DtypeName
 
 Device = Literal["auto", "cpu", "cuda"]
+PlacementMode = Literal["auto", "split", "shared"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,6 +41,12 @@ class ParallelismConfig:
     that shares one batch slice; the LM head is vocab-parallel (losses/logprobs.py)."""
     device: Device = "auto"
     """"auto" (CUDA when present, else CPU), "cpu" or "cuda"."""
+    placement: PlacementMode = "auto"
+    """Where generator replicas run on a GPU host (the trainer takes GPUs 0..trainer_procs-1):
+    "split" (replica i on GPU trainer_procs + i; fails at start when GPUs are short),
+    "shared" (replica i on the trainer's GPU i % trainer_procs), or "auto" ("split" when the
+    GPUs suffice, else "shared"). The log and the run summary name each process's GPU.
+    No effect on CPU."""
     cpu_threads_per_proc: int = 0
     """torch threads in each trainer/generator process on CPU; 0 = the cores this process may
     run on (its CPU affinity: taskset, cgroups) split over the processes that run at once.
@@ -75,15 +82,15 @@ class ParallelismConfig:
             raise ValueError(
                 f"parallelism.cpu_threads_per_proc must be >= 0, got {self.cpu_threads_per_proc}"
             )
-        if self.device not in get_args(Device):
-            raise ValueError(
-                f"parallelism.device must be one of {get_args(Device)}; got {self.device!r}"
-            )
+        for key, kind in (("device", Device), ("placement", PlacementMode)):
+            if getattr(self, key) not in get_args(kind):
+                raise ValueError(
+                    f"parallelism.{key} must be one of {get_args(kind)}; got {getattr(self, key)!r}"
+                )
 
-    def check_gpus(self) -> None:
-        """Each trainer process takes a GPU of its own (NCCL refuses two ranks on one).
-        Checked where a job starts, not when a config loads: tests and tools load configs
-        on machines of any shape."""
+    def gpu_count(self) -> int:
+        """GPUs this job places processes on (0 on CPU). Checked where a job starts, not when
+        a config loads: tests and tools load configs on machines of any shape."""
         import torch
 
         gpus = torch.cuda.device_count() if self.device != "cpu" else 0
@@ -92,12 +99,7 @@ class ParallelismConfig:
                 'parallelism.device = "cuda", but no CUDA device is visible; valid here: '
                 '"auto" or "cpu"'
             )
-        if gpus and self.trainer_procs > gpus:
-            raise ValueError(
-                f"parallelism.trainer_procs={self.trainer_procs} needs one GPU per trainer "
-                f"process, but {gpus} GPU(s) are visible; set parallelism.trainer_procs <= "
-                f'{gpus}, or parallelism.device = "cpu"'
-            )
+        return gpus
 
 
 @dataclass(kw_only=True, slots=True)

@@ -20,6 +20,7 @@ from torchtitan_rl.actors.generator import GeneratorActor
 from torchtitan_rl.actors.trainer import TrainerActor
 from torchtitan_rl.config import Config
 from torchtitan_rl.config.job import ParallelismConfig
+from torchtitan_rl.controller.placement import Placement, plan
 from torchtitan_rl.controller.supervision import SupervisionError
 from torchtitan_rl.types import SamplingParams
 
@@ -75,27 +76,35 @@ class Meshes:
 
     trainer: object
     generators: list = field(default_factory=list)
+    placement: Placement = field(default_factory=Placement)
+    """The GPU of each trainer rank and generator replica (empty on CPU)."""
 
     def all(self) -> list:
         return [self.trainer, *self.generators]
 
 
 async def launch_local(parallelism: ParallelismConfig, replicas: int) -> Meshes:
-    """This host: `trainer_procs` processes for the trainer (one GPU each with CUDA) and one
-    process per generator replica; the trainer's get a torch.distributed environment."""
+    """This host: `trainer_procs` processes for the trainer and one process per generator
+    replica, on the GPUs `placement.plan` gives them; the trainer's get a torch.distributed
+    environment."""
     from monarch.actor import this_host
     from monarch.spmd import setup_torch_elastic_env_async
 
-    kind = "gpus" if parallelism.device == "cuda" else "procs"
+    placement = plan(parallelism, replicas)
+    logger.info("placement: %s", placement.describe())
+    kind = "gpus" if placement.trainer else "procs"
     host = this_host()
     trainer = host.spawn_procs(per_host={kind: parallelism.trainer_procs})
     generators = [host.spawn_procs(per_host={kind: 1}) for _ in range(replicas)]
     await setup_torch_elastic_env_async(trainer)
-    return Meshes(trainer=trainer, generators=generators)
+    return Meshes(trainer=trainer, generators=generators, placement=placement)
 
 
-def spawn_trainer(mesh, config: Config, *, vocab_size: int, log_dir: str) -> TrainerActor:
-    """The trainer actor on every process of `mesh`, with its own config sections."""
+def spawn_trainer(
+    mesh, config: Config, *, vocab_size: int, log_dir: str, gpus: tuple[int, ...] = ()
+) -> TrainerActor:
+    """The trainer actor on every process of `mesh`, with its own config sections; local
+    rank r on GPU `gpus[r]` (the placement; empty: its local rank's GPU)."""
     cfg = config
     return mesh.spawn(
         "trainer",
@@ -110,14 +119,16 @@ def spawn_trainer(mesh, config: Config, *, vocab_size: int, log_dir: str) -> Tra
         cpu_threads=cfg.parallelism.threads(_at_once(cfg, cfg.parallelism.trainer_procs)),
         tp=cfg.parallelism.tp,
         log_dir=log_dir,
+        gpus=tuple(gpus),
     )
 
 
 def spawn_generators(
     meshes: list, names: list[str], config: Config, *, vocab_size: int, log_dir: str,
-    hf_folder: str,
+    hf_folder: str, gpus: tuple[int, ...] = (),
 ) -> list[GeneratorActor]:  # fmt: skip
-    """One generator actor per mesh, named `names[i]` (the names the Supervisor reports)."""
+    """One generator actor per mesh, named `names[i]` (the names the Supervisor reports),
+    replica i on GPU `gpus[i]` (the placement; empty: GPU 0)."""
     cfg = config
     return [
         mesh.spawn(
@@ -131,8 +142,9 @@ def spawn_generators(
             actor_name=name,
             log_dir=log_dir,
             hf_folder=hf_folder,
+            gpu=gpus[i] if gpus else None,
         )
-        for name, mesh in zip(names, meshes, strict=True)
+        for i, (name, mesh) in enumerate(zip(names, meshes, strict=True))
     ]
 
 

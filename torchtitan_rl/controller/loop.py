@@ -32,6 +32,7 @@ from torchtitan_rl.controller.launcher import (
     stop_meshes,
 )
 from torchtitan_rl.controller.metrics import MetricsLogger, validation_metrics
+from torchtitan_rl.controller.processes import ask_processes, record_processes
 from torchtitan_rl.controller.progress import progress_bar, rl_postfix
 from torchtitan_rl.controller.report import StepReport, StepReporter
 from torchtitan_rl.controller.run_lock import RunLock
@@ -160,10 +161,14 @@ class Controller:
         replicas = cfg.generator.num_replicas
         self.meshes = await launch_local(cfg.parallelism, replicas)
         vocab, log_dir = self.tokenizer.vocab_size, str(self.log_dir)
-        self.trainer = spawn_trainer(self.meshes.trainer, cfg, vocab_size=vocab, log_dir=log_dir)
+        gpus = self.meshes.placement
+        self.trainer = spawn_trainer(
+            self.meshes.trainer, cfg, vocab_size=vocab, log_dir=log_dir, gpus=gpus.trainer
+        )
         self.generators = spawn_generators(
             self.meshes.generators, list(self.supervisor.names[1:]), cfg, vocab_size=vocab,
             log_dir=log_dir, hf_folder=await self.generator_start_folder(),
+            gpus=gpus.generators,
         )  # fmt: skip
         fns = [
             ActorGenerateFn(g, name) for g, name in zip(self.generators, self.supervisor.names[1:])
@@ -174,6 +179,7 @@ class Controller:
             self.trainer, self.generators, cfg.generator.dtype
         )
         logger.info("weight sync: %s", self.weight_sync.transport)
+        record_processes(self.run_dir, await ask_processes(self.trainer, self.generators))
         if state is not None:
             await self.restore(latest, state)
         (self.run_dir / "config.toml").write_text(to_toml(cfg))  # after a successful restore
@@ -397,6 +403,8 @@ class Controller:
                 bar.set_postfix(rl_postfix(m, self.last_validation))
         self.supervisor.where = "while exporting the Hugging Face folder"
         await self.export_hf(self.run_dir / "hf")
+        # again at the end: the summary shows each process's peak memory over the run
+        record_processes(self.run_dir, await ask_processes(self.trainer, self.generators))
 
     async def _after_step(self, step: int, last: int) -> None:
         """Validation and checkpoint on their intervals, and both after the final step."""

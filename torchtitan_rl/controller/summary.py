@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from torchtitan_rl.controller.metrics import MetricsLogger, first_last_mean
+from torchtitan_rl.controller.processes import process_lines
 
 SUMMARY_TAGS = ("rollout_reward/mean", "validation_reward/mean", "perf/step_seconds")
 """The series the summary reads; checkpoints carry them so a resumed run's summary covers
@@ -32,6 +33,7 @@ def summary_lines(m: MetricsLogger, run_dir: Path, wall_seconds: float) -> list[
     step_s = m.series("perf/step_seconds")
     if step_s:
         lines.append(f"speed    {sum(step_s) / len(step_s):.2f} s/step on average")
+    lines += process_lines(run_dir)
     lines += [
         f"logs     tensorboard --logdir {m.tb_dir}",
         f"config   {run_dir / 'config.toml'}",

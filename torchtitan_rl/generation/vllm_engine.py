@@ -227,6 +227,12 @@ class VllmEngine(EngineFront):
         self._llm = None
         self._cleanup()
 
+    def model_parameters(self):
+        """(name, tensor) of the model vLLM runs, in its own names and fused layouts (an
+        in-process engine core: the tensors themselves)."""
+        (model,) = self._llm.collective_rpc("get_model")
+        return model.named_parameters()
+
     def _pull_weights(self) -> None:
         before = self._version
         for state, version in self._pending_weights:

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The several-GPU measurements (docs/benchmarks.md "Several GPUs"), on one 4-GPU host, in
+# stages; runs that need disjoint GPUs go side by side (CUDA_VISIBLE_DEVICES), each run on
+# GPUs of its own. Results: $RESULTS/<stage>/bench_async.json and logs; a table per stage.
+#
+#   RESULTS=/tmp/i30 bash scripts/bench_placement.sh            # every stage
+#   RESULTS=/tmp/i30 bash scripts/bench_placement.sh s4 s5      # some stages
+#
+# s1: 1 GPU shared (trainer and generator on one GPU), 64 and 256 rollouts, N = 0 and 1
+#     (side by side on GPUs 2 and 3), and `pytest -m "gpu and not vllm"` on GPUs 0-1
+# s2: 1 trainer GPU + 1 generator GPU, same runs (GPUs 0-1 and 2-3 side by side)
+# s3: the vLLM GPU tests on GPUs 0-1 (waits for vLLM in /tmp/vsite), weight transport on 2-3
+# s4: 1 trainer + 3 generator GPUs, N = 0 and 1
+# s5: FSDP over 2 trainer GPUs + 2 generator GPUs, N = 1; then the Qwen3-4B shape, 2 + 2
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=${RESULTS:-/tmp/bench_placement}
+mkdir -p "$RESULTS"
+COMMON="--warm_start.steps=40 --training.steps=8 --validation.interval=0 --checkpoint.interval=0"
+SKIP=3
+
+async() {  # async <gpus> <out> <layout> <prompts...> -- runs N = 0 and 1
+  local gpus=$1 out=$2 layout=$3; shift 3
+  CUDA_VISIBLE_DEVICES=$gpus python scripts/bench_async.py --out "$RESULTS/$out" \
+    --layouts "$layout" --staleness 0 1 --prompts "$@" --skip $SKIP --common "$COMMON" \
+    > "$RESULTS/$out.log" 2>&1
+}
+
+s1() {
+  CUDA_VISIBLE_DEVICES=0,1 python -m pytest -m "gpu and not vllm" -o addopts="" -q \
+    > "$RESULTS/s1_pytest_gpu.log" 2>&1 &
+  async 2 s1_shared_p8 1+1:shared 8 &
+  async 3 s1_shared_p32 1+1:shared 32 &
+  wait
+}
+
+s2() {
+  async 0,1 s2_split_p8 1+1 8 &
+  async 2,3 s2_split_p32 1+1 32 &
+  wait
+}
+
+s3() {
+  (
+    for _ in $(seq 60); do [ -d /tmp/vsite/vllm ] && break; sleep 10; done
+    source .vllm5/install.sh
+    CUDA_VISIBLE_DEVICES=0,1 python -m pytest -m vllm -o addopts="" -q \
+      tests/test_two_gpus.py tests/test_vllm_gpu.py > "$RESULTS/s3_pytest_vllm.log" 2>&1
+  ) &
+  (
+    export CUDA_VISIBLE_DEVICES=2,3
+    python scripts/bench_gpu_transport.py --out "$RESULTS/s3_transport"
+    for g in 0 1; do
+      python scripts/bench_weight_sync.py --generator-gpu $g --out "$RESULTS/s3_sync_06b_gpu$g"
+    done
+    python scripts/bench_weight_sync.py --flavor 4B --generator-gpu 1 --repeats 3 \
+      --out "$RESULTS/s3_sync_4b_gpu1"
+  ) > "$RESULTS/s3_transport.log" 2>&1 &
+  wait
+}
+
+s4() {
+  CUDA_VISIBLE_DEVICES=0,1,2,3 python scripts/bench_async.py --out "$RESULTS/s4_1p3" \
+    --layouts 1+3 --staleness 0 1 --prompts 8 32 --skip $SKIP --common "$COMMON" \
+    > "$RESULTS/s4_1p3.log" 2>&1
+}
+
+s5() {
+  CUDA_VISIBLE_DEVICES=0,1,2,3 python scripts/bench_async.py --out "$RESULTS/s5_2p2" \
+    --layouts 2+2 --staleness 1 --prompts 8 32 --skip $SKIP --common "$COMMON" \
+    > "$RESULTS/s5_2p2.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0,1,2,3 python scripts/bench_async.py --out "$RESULTS/s5_4b" \
+    --layouts 2+2 --staleness 0 1 --prompts 8 --skip $SKIP \
+    --common "$COMMON --model.flavor=4B --batcher.rows_per_microbatch=2" \
+    > "$RESULTS/s5_4b.log" 2>&1
+}
+
+stages=${*:-s1 s2 s3 s4 s5}
+for s in $stages; do
+  echo "$(date +%T) $s start" >> "$RESULTS/progress.txt"
+  $s
+  echo "$(date +%T) $s done" >> "$RESULTS/progress.txt"
+done
+echo "$(date +%T) all done" >> "$RESULTS/progress.txt"

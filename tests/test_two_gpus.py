@@ -1,0 +1,117 @@
+"""Two GPUs (issue 30): the trainer on GPU 0 and the generator on GPU 1, 3 RL steps through
+Monarch; after every sync the generator holds the trainer's weights bit for bit (CUDA IPC
+across the two GPUs), for both generator backends. Marked `gpu`; skipped with fewer than 2
+GPUs (the vLLM case also without vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+if torch.cuda.device_count() < 2:
+    pytest.skip("needs 2 CUDA devices", allow_module_level=True)
+
+from torchtitan_rl.config import load_config  # noqa: E402
+from torchtitan_rl.controller.loop import Controller  # noqa: E402
+from torchtitan_rl.weight_sync.transport import WeightTransport  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def vllm_layout(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face Qwen3 weights in vLLM's fused layout: q, k, v stacked into qkv_proj;
+    gate and up into gate_up_proj; the rest by name."""
+    out = {}
+    for name, t in hf.items():
+        if ".q_proj." in name:
+            k, v = (hf[name.replace(".q_proj.", p)] for p in (".k_proj.", ".v_proj."))
+            out[name.replace(".q_proj.", ".qkv_proj.")] = torch.cat([t, k, v])
+        elif ".gate_proj." in name:
+            up = hf[name.replace(".gate_proj.", ".up_proj.")]
+            out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat([t, up])
+        elif not any(p in name for p in (".k_proj.", ".v_proj.", ".up_proj.")):
+            out[name] = t
+    return out
+
+
+def expected_weights(trainer_state: dict, backend: str, model_args) -> dict[str, torch.Tensor]:
+    """What the generator should hold: the trainer's weights under the backend's names."""
+    if backend == "native":
+        return trainer_state
+    from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+
+    return vllm_layout(Qwen3StateDictAdapter(model_args, None).to_hf(trainer_state))
+
+
+def assert_same_weights(held: dict, expected: dict) -> int:
+    """Every tensor the generator holds equals the expected one bit for bit (vLLM may pad
+    the vocabulary rows); returns how many were compared."""
+    compared = 0
+    for name, t in held.items():
+        if name not in expected:
+            assert name == "lm_head.weight", f"unexpected generator weight {name}"
+            continue  # tied: vLLM's lm_head is the embedding, compared under its own name
+        want = expected[name]
+        assert t.dtype == want.dtype, name
+        assert torch.equal(t[: want.shape[0]], want), name
+        compared += 1
+    assert compared >= len(expected) - 1
+    return compared
+
+
+@pytest.mark.parametrize("backend", ["native", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_three_rl_steps_with_the_trainer_on_gpu0_and_the_generator_on_gpu1(tmp_path, backend):
+    if backend == "vllm":
+        pytest.importorskip("vllm")
+    from torchtitan_rl.models.qwen3 import model_args
+
+    config = load_config(
+        ROOT / "train_configs" / "alphabet_sort_tiny.toml",
+        [
+            f"--job.output_dir={tmp_path}",
+            "--parallelism.device=cuda",
+            "--parallelism.trainer_procs=1",
+            "--parallelism.placement=split",
+            f"--generator.backend={backend}",
+            "--generator.dtype=bfloat16",
+            "--generator.max_num_seqs=16",
+            "--generator.cuda_graphs=false",
+            "--warm_start.steps=2",
+            "--warm_start.batch_size=4",
+            "--validation.interval=0",
+            "--checkpoint.interval=0",
+        ],
+    )
+    controller = Controller(config, use_tqdm=False)
+    args = model_args(config.model, controller.tokenizer.vocab_size)
+
+    async def run():
+        checks = []
+        try:
+            await controller.start()
+            await controller.warm_start()
+            for step in (1, 2, 3):
+                m = await controller.rl_step(step)
+                out = await controller.trainer.full_weights.call("bfloat16")
+                trainer = [w for w in out.values() if w is not None][0]
+                held = await controller.generators[0].weights.call_one()
+                version = await controller.generators[0].policy_version.call_one()
+                compared = assert_same_weights(held, expected_weights(trainer, backend, args))
+                checks.append((m["trainer/policy_version"], version, compared))
+            return checks, controller.weight_sync.transport
+        finally:
+            await controller.close()
+
+    checks, transport = asyncio.run(run())
+    assert transport is WeightTransport.CUDA_IPC  # the generator opens GPU 0's buffer
+    assert [(p, v) for p, v, _ in checks] == [(3, 3), (4, 4), (5, 5)]
+    processes = json.loads((controller.run_dir / "processes.json").read_text())
+    trainer, generator = processes
+    assert (trainer["role"], trainer["gpu"], generator["gpu"]) == ("trainer", 0, 1)
+    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(2)]
+    assert [trainer["uuid"], generator["uuid"]] == uuids  # the physical GPUs, not indices

@@ -1,0 +1,83 @@
+"""Which GPU each process of a run takes: a pure function of the GPU count and the config,
+decided before any process starts.
+
+    place(gpus=4, trainer_procs=1, replicas=3, mode="auto")
+    # Placement(trainer=(0,), generators=(1, 2, 3))     one GPU per role process
+    place(gpus=1, trainer_procs=1, replicas=1, mode="auto")
+    # Placement(trainer=(0,), generators=(0,))           the generator shares GPU 0
+
+The trainer takes the first `trainer_procs` GPUs (rank r on GPU r). `parallelism.placement`
+says where the generator replicas go:
+- "split": replica i on GPU trainer_procs + i; needs trainer_procs + replicas GPUs.
+- "shared": replica i on the trainer's GPU i % trainer_procs (one GPU does both jobs).
+- "auto": "split" when the GPUs suffice, else "shared".
+The indices are the host's CUDA device indices; every process sees every GPU (Monarch does
+not narrow CUDA_VISIBLE_DEVICES), so a generator can still open trainer rank 0's buffer
+over CUDA IPC when it runs on another GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchtitan_rl.config.job import ParallelismConfig, PlacementMode
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """GPU index per trainer rank and per generator replica; empty on CPU."""
+
+    trainer: tuple[int, ...] = ()
+    generators: tuple[int, ...] = ()
+
+    @property
+    def split(self) -> bool:
+        """True when no generator shares a GPU with a trainer rank."""
+        return not set(self.trainer) & set(self.generators)
+
+    def describe(self) -> str:
+        """One line for the log: 'trainer GPUs 0,1; generator GPUs 2,3 (split)'."""
+        if not self.trainer:
+            return "CPU processes (no GPU placement)"
+        how = "split" if self.split else "shared"
+
+        def ids(xs):
+            return ",".join(map(str, xs))
+
+        return f"trainer GPUs {ids(self.trainer)}; generator GPUs {ids(self.generators)} ({how})"
+
+
+def place(*, gpus: int, trainer_procs: int, replicas: int, mode: PlacementMode) -> Placement:
+    """The placement on a host with `gpus` GPUs (0: CPU run, empty placement). Raises
+    ValueError with one line naming the field and what would fit."""
+    if gpus == 0:
+        return Placement()
+    if trainer_procs > gpus:
+        raise ValueError(
+            f"parallelism.trainer_procs={trainer_procs} needs one GPU per trainer process, "
+            f"but {gpus} GPU(s) are visible; set parallelism.trainer_procs <= {gpus}, or "
+            'parallelism.device = "cpu"'
+        )
+    trainer = tuple(range(trainer_procs))
+    free = gpus - trainer_procs
+    if mode == "split" and replicas > free:
+        raise ValueError(
+            f'parallelism.placement = "split" needs parallelism.trainer_procs + '
+            f"generator.num_replicas = {trainer_procs} + {replicas} GPUs, but {gpus} are "
+            f'visible; valid: fewer processes, or parallelism.placement = "shared" | "auto"'
+        )
+    if mode == "split" or (mode == "auto" and replicas <= free):
+        return Placement(
+            trainer=trainer, generators=tuple(trainer_procs + i for i in range(replicas))
+        )
+    return Placement(trainer=trainer, generators=tuple(i % trainer_procs for i in range(replicas)))
+
+
+def plan(parallelism: ParallelismConfig, replicas: int) -> Placement:
+    """The placement of this job on this host's GPUs (see `place`)."""
+    return place(
+        gpus=parallelism.gpu_count(),
+        trainer_procs=parallelism.trainer_procs,
+        replicas=replicas,
+        mode=parallelism.placement,
+    )
