@@ -153,7 +153,7 @@ class _Tokens:
 
 Surrogate = Callable[[_Tokens, LossConfig], tuple[Tensor, Tensor, Tensor]]
 """(tokens, config) -> (loss_N, log_ratio_N, clipped_N): per-token loss, the detached log of
-the ratio the loss uses (kept as a log so the metrics resolve ratios within 1e-7 of 1), clip
+the ratio the loss uses (a log, so the metrics tell apart ratios within 1e-6 of 1), clip
 indicator."""
 
 
