@@ -217,3 +217,72 @@ def test_waiting_for_a_batch_before_new_weights_go_out_is_bounded_too():
         await pipeline.close()
 
     asyncio.run(go())
+
+
+# ---- pipelined resume replay with a stale group in a kept batch -----------------------------
+def _loop_in_rl_step_order(start, last, steps, lag, ledger, pipeline, trained):
+    """Controller._run and rl_step with the real pipeline, ledger and split_stale, pipelined
+    and `lag` steps ahead; the trainer is one await. Returns the checkpoint after `last`:
+    (kept batches, next_fresh, requeued)."""
+
+    async def go():
+        pipeline.fill(min(start + 1 + lag, steps))
+        for step in range(start + 1, last + 1):
+            batch = await pipeline.take(step, 5.0, None)
+            fresh, stale = split_stale(batch.groups, version=step - 1, max_staleness=lag)
+            ledger.settle(step)
+            ledger.requeue([g.sample_index for g in stale])
+            trained[step] = [g.sample_index for g in fresh]
+            await asyncio.sleep(0)  # the trainer
+            await pipeline.wait_done(step + lag, 5.0, None)
+            if step < last:
+                pipeline.fill(min(step + 1 + lag, steps))
+        kept = pipeline.finished()
+        await pipeline.close()
+        return (kept, *ledger.saved(keep=set(kept)))
+
+    return asyncio.run(go())
+
+
+def _pipeline_with_a_stale_group_in_batch_3(ledger):
+    async def collect(step):
+        indices = ledger.draw(step, 2)
+        for _ in range(10):  # generating: longer than the loop takes to requeue
+            await asyncio.sleep(0)
+        # batch 3's first group comes from a lagging replica at version -9: dropped as stale
+        versions = [-9 if step == 3 and i == 0 else step - 1 for i in range(len(indices))]
+        groups = [_group(_rollout((v, v)), index=k) for v, k in zip(versions, indices)]
+        return CollectedBatch(groups=groups, next_index=0, rounds=1, filtered=[])
+
+    return RolloutPipeline(collect, sequential=True)
+
+
+@pytest.mark.parametrize(
+    ("lag", "stop", "want"),
+    [
+        (1, 2, {1: [0, 1], 2: [2, 3], 3: [5], 4: [6, 7], 5: [4, 8]}),
+        (2, 1, {1: [0, 1], 2: [2, 3], 3: [5], 4: [6, 7], 5: [8, 9], 6: [4, 10]}),
+    ],
+)
+def test_a_pipelined_resume_whose_kept_batch_holds_a_stale_group_trains_as_a_straight_run(
+    lag, stop, want
+):
+    """Stopped after step `stop`, the checkpoint keeps batch 3, which holds a stale group. Its
+    prompt goes out again after the batch started next drew its prompts, in the resumed run as
+    in the straight one: taking a kept batch yields to the batch just started, as taking a
+    finished one does (before, the resumed run handed prompt 4 to the step after batch 3)."""
+    steps = max(want)
+    ledger, straight = PromptLedger(), {}
+    pipeline = _pipeline_with_a_stale_group_in_batch_3(ledger)
+    _loop_in_rl_step_order(0, steps, steps, lag, ledger, pipeline, straight)
+    assert straight == want
+
+    ledger, resumed = PromptLedger(), {}
+    pipeline = _pipeline_with_a_stale_group_in_batch_3(ledger)
+    kept, next_fresh, requeued = _loop_in_rl_step_order(0, stop, steps, lag, ledger, pipeline, {})
+    assert sorted(kept) == list(range(stop + 1, stop + 1 + lag)) and 3 in kept
+    ledger = PromptLedger(next_fresh=next_fresh, requeued=requeued)
+    pipeline = _pipeline_with_a_stale_group_in_batch_3(ledger)
+    pipeline.restore(stop, kept)
+    _loop_in_rl_step_order(stop, steps, steps, lag, ledger, pipeline, resumed)
+    assert resumed == {s: v for s, v in straight.items() if s > stop}

@@ -4,6 +4,7 @@ Reference, over valid tokens (finite pi_old, mu and pi_theta), log c_t = old_t -
   token: lw_t = log c_t; sequence: lw_t = sum of log c over t's sequence; geometric: the mean.
   truncate: w_t = min(max(exp(lw_t), ratio_min), ratio_max)
   mask: w_t = (exp(lw_t) if keep_weight else 1) when ratio_min <= exp(lw_t) <= ratio_max, else 0
+  metrics: ratio_mean|min|max of exp(lw_t), log_ratio/abs_mean|abs_max of |lw_t|
   OPSM (TRL): w_t = 0 for every token of a sequence with mean A < 0 and
   mean (gen - lp) > opsm_delta, lp = pi_theta. Invalid tokens: w_t = 0.
 Shape suffixes: N = loss tokens.
@@ -34,7 +35,7 @@ def reference(old_N, gen_N, lp_N, adv_N, seq_N, cfg):
         if valid[t]:
             members.setdefault(s, []).append(t)
     log_r = {t: old[t] - gen[t] for ts in members.values() for t in ts}
-    weights, ratios, outside, dropped = [0.0] * len(lp), [], 0, set()
+    weights, ratios, log_ws, outside, dropped = [0.0] * len(lp), [], [], 0, set()
     for s, ts in members.items():
         seq_sum = sum(log_r[t] for t in ts)
         mean_adv = sum(adv[t] for t in ts) / len(ts)
@@ -47,6 +48,7 @@ def reference(old_N, gen_N, lp_N, adv_N, seq_N, cfg):
             )
             ratio = math.exp(lw)
             ratios.append(ratio)
+            log_ws.append(lw)
             is_out = cfg.level != "none" and not cfg.ratio_min <= ratio <= cfg.ratio_max
             outside += is_out
             if cfg.level == "none":
@@ -63,6 +65,8 @@ def reference(old_N, gen_N, lp_N, adv_N, seq_N, cfg):
             "correction/ratio_mean": sum(ratios) / len(ratios),
             "correction/ratio_min": min(ratios),
             "correction/ratio_max": max(ratios),
+            "correction/log_ratio/abs_mean": sum(map(abs, log_ws)) / len(log_ws),
+            "correction/log_ratio/abs_max": max(map(abs, log_ws)),
             f"correction/{name}": outside / len(ratios),
         }
     if cfg.opsm_delta > 0:

@@ -99,6 +99,7 @@ async def _scenario(config):
         trainer_lp = (await controller.trainer.logprobs.call(batches[0][0], 1.0)).values()
         generator_versions = [await g.policy_version.call_one() for g in controller.generators]
         routed = list(controller.router.routed)
+        sessions_left = dict(controller.router.sessions)
         return dict(
             v0=v0,
             v1=v1,
@@ -108,6 +109,7 @@ async def _scenario(config):
             trainer_lp=np.asarray(next(iter(trainer_lp))),
             generator_versions=generator_versions,
             routed=routed,
+            sessions_left=sessions_left,
             tb_dir=controller.metrics.tb_dir,
         )
     finally:
@@ -121,6 +123,7 @@ def test_two_rl_steps_through_monarch(tmp_path):
     assert r["v0"] == 2 and r["v1"] == 4, "two warm-start and two RL optimizer steps"
     assert r["generator_versions"] == [r["v1"], r["v1"]], "every replica has the latest weights"
     assert min(r["routed"]) > 0, "the router used both replicas"
+    assert r["sessions_left"] == {}, "every rollout's session ended with it"
     changed = [k for k in r["w0"] if not torch.equal(r["w0"][k], r["w1"][k])]
     assert len(changed) == len(r["w0"]), "RL steps change every trainer tensor"
     np.testing.assert_allclose(r["trainer_lp"], r["completion"].logprobs_N, atol=1e-4, rtol=0)

@@ -239,6 +239,12 @@ def test_the_dashboard_charts_validation_rubric_async_and_warm_start_apart():
     for tag in ("rollout/staleness/mean", "rollout/staleness/max", "perf/trainer_wait_seconds",
                 "perf/generator_wait_seconds"):  # fmt: skip
         assert len(charted(tag)) == 1, tag
+    # ratios near 1 chart as a flat 1: the off-policy chart shows |log ratio| instead
+    log_ratio_tags = ("loss/log_ratio/abs_mean", "loss/log_ratio/abs_max",
+                      "correction/log_ratio/abs_mean", "correction/log_ratio/abs_max")  # fmt: skip
+    for tag in log_ratio_tags:
+        assert charted(tag) == ["off-policy/|log ratio| (0 = same policy)"], tag
+    assert charted("loss/ratio_mean") == charted("correction/ratio_max") == []
     # the warm start (steps <= 0) never shares a chart with RL's steps
     warm = [name for name in charts if any(p.startswith("warm_start/") for p in charts[name])]
     assert all(name.startswith("warm start/") for name in warm)

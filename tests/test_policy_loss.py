@@ -290,3 +290,59 @@ def test_empty_microbatch_gives_zero_loss_and_finite_metrics():
         num_global_tokens=1, num_global_sequences=1,
     )  # fmt: skip
     assert loss == 0 and all(math.isfinite(v) for v in results(metrics).values())
+
+
+def reference_log_ratios(lp_N, old_N, seq_N, name):
+    """float64 |log r_t| per valid token: log r_t = logp_t - old_t, or for gspo the mean of
+    its sequence's valid log-ratios (the sequence ratio s_i)."""
+    lp, old, seq = lp_N.tolist(), old_N.tolist(), seq_N.tolist()
+    valid = [math.isfinite(a) and math.isfinite(b) for a, b in zip(lp, old)]
+    members = {}
+    for t, s in enumerate(seq):
+        if valid[t]:
+            members.setdefault(s, []).append(t)
+    out = []
+    for ts in members.values():
+        logs = [lp[t] - old[t] for t in ts]
+        out += [abs(sum(logs) / len(logs))] * len(ts) if name == "gspo" else list(map(abs, logs))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "bypass"),
+    [(name, False) for name in LOSSES] + [(name, True) for name in ("grpo", "dapo", "dr_grpo")],
+)
+def test_log_ratio_metrics_match_float64_reference_on_valid_tokens_only(name, bypass):
+    batch = make_batch(2)
+    batch["gen"][[1, 9]] = torch.tensor([math.nan, -math.inf]).double()
+    batch["lp"][4] = math.nan
+    lp, old, seq = batch["lp"], batch["gen"], batch["seq"]
+    _, metrics = policy_loss(
+        lp, old, batch["adv"], seq, config=config_for(name, "token_mean"),
+        num_global_tokens=16, num_global_sequences=5, bypass=bypass,
+    )  # fmt: skip
+    metrics = plain(metrics)
+    want = reference_log_ratios(lp, old, seq, name)
+    assert len(want) == 16 and max(want) > 0.3  # a real gap; three tokens left out
+    torch.testing.assert_close(
+        metrics["loss/log_ratio/abs_mean"], torch.tensor(sum(want) / 16).double()
+    )
+    torch.testing.assert_close(metrics["loss/log_ratio/abs_max"], torch.tensor(max(want)).double())
+
+
+def test_log_ratio_metrics_resolve_a_gap_that_the_ratio_rounds_to_one():
+    """float32, as the trainer runs: pi_theta one ulp from pi_old gives a ratio that rounds to
+    exactly 1 (its chart reads 1 throughout), while |log r| keeps the gap to the last bit."""
+    old = torch.tensor([-0.5, -0.3, -0.25, -0.4])  # gaps of 3e-8 and 1.5e-8: below half
+    # of float32's 1.2e-7 step at 1, so exp rounds each ratio to 1 with room to spare
+    lp = torch.nextafter(old, torch.zeros(()))  # one ulp towards 0: log-ratio > 0
+    _, metrics = policy_loss(
+        lp, old, torch.ones(4), torch.tensor([0, 0, 1, 1]), config=LossConfig(),
+        num_global_tokens=4, num_global_sequences=2,
+    )  # fmt: skip
+    got = results(metrics)
+    gaps = [(a - b) for a, b in zip(lp.double().tolist(), old.double().tolist())]
+    assert got["loss/ratio_mean"] == 1.0
+    assert got["loss/log_ratio/abs_mean"] == pytest.approx(sum(gaps) / 4, rel=1e-6)
+    assert got["loss/log_ratio/abs_max"] == pytest.approx(max(gaps), rel=1e-6)
+    assert 0 < min(gaps) < max(gaps) < 6e-8

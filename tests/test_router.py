@@ -3,6 +3,7 @@
 import asyncio
 
 import numpy as np
+import pytest
 
 from torchtitan_rl.rollout.router import Router
 from torchtitan_rl.types import Completion, FinishReason
@@ -72,3 +73,141 @@ def test_inflight_count_recovers_when_a_replica_raises():
     except RuntimeError:
         pass
     assert router.inflight == [0]
+
+
+class Yielding(Replica):
+    """A replica that yields to the event loop a seeded number of times per call, so seeded
+    runs force different interleavings of many sessions (no wall-clock timing)."""
+
+    def __init__(self, name, rng):
+        super().__init__(name, delay=0.0)
+        self.rng = rng
+
+    async def __call__(self, prompt_ids, *, request_id, session_id=None, sampling=None):
+        for _ in range(int(self.rng.integers(0, 6))):
+            await asyncio.sleep(0)
+        return await super().__call__(
+            prompt_ids, request_id=request_id, session_id=session_id, sampling=sampling
+        )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sessions_end_with_their_rollouts_and_only_live_ones_are_kept(seed):
+    """200 sessions of 1-5 turns, at most 12 live at once, starting and ending in seeded
+    orders with env think time between turns: the router holds exactly the live sessions
+    at every point, every session's turns stay on one replica, and nothing is left."""
+    rng = np.random.default_rng(seed)
+    replicas = [Yielding(i, rng) for i in range(3)]
+    router = Router(replicas)
+    live, sizes, placed = set(), [], {}
+    room = asyncio.Semaphore(12)
+
+    async def rollout(session):
+        async with room:
+            for turn in range(int(rng.integers(1, 6))):
+                live.add(session)  # live from its first call on
+                c = await router(
+                    np.zeros(2, np.int32), request_id=f"{session}/{turn}", session_id=session
+                )
+                placed.setdefault(session, set()).add(c.metrics["replica"])
+                sizes.append((len(router.sessions), len(live)))
+                for _ in range(int(rng.integers(0, 4))):  # the env thinks between turns
+                    await asyncio.sleep(0)
+            router.end_session(session)
+            live.discard(session)
+            sizes.append((len(router.sessions), len(live)))
+
+    async def main():
+        await asyncio.gather(*(rollout(f"step=1/group={i}/rollout=0") for i in range(200)))
+
+    asyncio.run(main())
+    assert all(held == alive for held, alive in sizes)
+    assert max(alive for _, alive in sizes) > 6  # sessions really overlapped
+    assert max(held for held, _ in sizes) <= 12
+    assert router.sessions == {} and router.inflight == [0, 0, 0]
+    assert all(len(replicas_seen) == 1 for replicas_seen in placed.values())
+    assert len(placed) == 200
+
+
+def test_an_ended_session_id_is_placed_afresh():
+    router = Router([Replica(0), Replica(1)])
+    router.routed = [5, 0]  # replica 1 has served fewer calls: a fresh session goes there
+    router.sessions["val/0"] = 0
+    assert router.pick("val/0") == 0  # live: sticky
+    router.end_session("val/0")
+    router.end_session("never-started")  # ending an unknown session is a no-op
+    assert router.pick("val/0") == 1
+
+
+def _rollouter(make_env):
+    from fakes import FakeEnvironment, FakeRenderer
+
+    from torchtitan_rl.envs.base import EnvConfig
+    from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
+
+    env_config = EnvConfig(max_rollout_tokens=1000, max_turns=5)
+    config = RolloutConfig(group_size=4, prompts_per_step=3, filter_zero_std_groups=False)
+    environment = FakeEnvironment(make_env, lambda r: 1.0, config=env_config)
+    return Rollouter(environment, FakeRenderer(), env_config, config, seed=0)
+
+
+def test_the_rollouter_ends_every_session_of_two_overlapping_batches():
+    """Two steps' batches at once (as streaming with a lag runs them), 3-turn rollouts and
+    one prompt whose env raises on its second turn: every session sticks to one replica,
+    the router never holds more than the 24 rollouts that run, and none is left after."""
+    from fakes import ScriptedEnv, ScriptedGenerate, done, reply
+
+    def make_env(sample):
+        if sample["index"] == 1:
+            return ScriptedEnv([reply("more"), RuntimeError("env broke")])
+        return ScriptedEnv([reply("more"), reply("more"), done()])
+
+    replicas = [ScriptedGenerate(lambda call: "ok", jitter_s=0.002) for _ in range(3)]
+    router = Router(replicas)
+    held, pick = [], router.pick
+
+    def recording_pick(session_id):
+        index = pick(session_id)
+        held.append(len(router.sessions))
+        return index
+
+    router.pick = recording_pick
+    rollouter = _rollouter(make_env)
+
+    async def main():
+        return await asyncio.gather(
+            rollouter.collect_batch(1, 0, router), rollouter.collect_batch(2, 3, router)
+        )
+
+    batches = asyncio.run(main())
+    statuses = [r.status.value for b in batches for g in b.groups for r in g.rollouts]
+    assert statuses.count("error_env") == 4 and len(statuses) == 24
+    assert router.sessions == {}
+    assert 12 < max(held) <= 24  # both batches' sessions were live at once
+    replica_of = {}
+    for index, replica in enumerate(replicas):
+        for call in replica.calls:
+            assert replica_of.setdefault(call.session_id, index) == index, call.session_id
+    assert len(replica_of) == 24
+
+
+def test_a_cancelled_batch_leaves_no_session_behind():
+    from fakes import ScriptedEnv, done
+
+    class Stuck(Replica):
+        async def __call__(self, *args, **kwargs):
+            await asyncio.Event().wait()
+
+    router = Router([Stuck(0), Stuck(1)])
+    rollouter = _rollouter(lambda sample: ScriptedEnv([done()]))
+
+    async def main():
+        task = asyncio.create_task(rollouter.collect_batch(1, 0, router))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert len(router.sessions) == 12  # every rollout is waiting on its first turn
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert router.sessions == {} and router.inflight == [0, 0]

@@ -64,6 +64,7 @@ def test_recompute_makes_the_first_update_on_policy_and_later_ones_stale():
     core = _core(loss=loss)
     one = core.train_step([_batch(_with_generator_logprobs(core, _episodes(0)))], 1.0)
     assert one["loss/ratio_mean"] == 1.0 and one["loss/clip_frac"] == 0.0
+    assert one["loss/log_ratio/abs_max"] == 0.0
     assert one["trainer/logprob_diff/max"] > 0.5  # mu really differs from pi_old
 
     core = _core(loss=loss)
@@ -71,6 +72,7 @@ def test_recompute_makes_the_first_update_on_policy_and_later_ones_stale():
     two = core.train_step([_batch(episodes[:2]), _batch(episodes[2:])], 1.0)
     assert two["trainer/policy_version"] == 2
     assert two["loss/ratio_mean"] != 1.0  # the second update's pi_theta moved off pi_old
+    assert 0 < two["loss/log_ratio/abs_mean"] <= two["loss/log_ratio/abs_max"]
 
     core = _core(loss=LossConfig(old_logprobs="generator"))
     gen = core.train_step([_batch(_with_generator_logprobs(core, _episodes(0)))], 1.0)
@@ -109,8 +111,13 @@ def test_every_metric_is_the_same_with_one_two_or_four_microbatches():
         out = core.train_step([batch], 1.0)
         outs.append({k: v for k, v in out.items() if not k.startswith("perf/")})  # not timings
     assert set(outs[0]) == set(outs[1]) == set(outs[2])
-    for key in ("correction/ratio_min", "correction/ratio_max", "loss/kl", "loss/policy"):
+    for key in ("correction/ratio_min", "correction/ratio_max", "loss/kl", "loss/policy",
+                "loss/log_ratio/abs_max", "correction/log_ratio/abs_mean"):  # fmt: skip
         assert key in outs[0]
+    # token level: |log w| is |pi_old - mu|, the mismatch trainer/logprob_diff measures
+    for stat in ("mean", "max"):
+        got = outs[0][f"correction/log_ratio/abs_{stat}"]
+        assert got == pytest.approx(outs[0][f"trainer/logprob_diff/{stat}"], rel=1e-6)
     assert outs[0]["loss/kl"] > 0 and outs[0]["correction/truncated_frac"] > 0
     for out in outs[1:]:
         for key, value in outs[0].items():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -106,6 +106,15 @@ class GenerateFn(Protocol):
         session_id: str | None = None,
         sampling: SamplingParams | None = None,
     ) -> Completion | None: ...
+
+
+@runtime_checkable
+class EndsSessions(Protocol):
+    """A GenerateFn that keeps state per session (the Router's replica affinity). The
+    Rollouter calls `end_session` once the rollout of that session has ended (done, errored
+    or cancelled), so the state lives exactly as long as the rollout."""
+
+    def end_session(self, session_id: str) -> None: ...
 
 
 @dataclass(kw_only=True, slots=True)

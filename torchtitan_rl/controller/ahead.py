@@ -112,6 +112,10 @@ class RolloutPipeline:
         """The batch of `step` (started by an earlier `fill`); BatchTimeout after `timeout_s`
         seconds without it, naming what the generators do (`describe()`)."""
         if step in self.done:
+            # Yield as waiting on a finished task does: a batch the last `fill` started draws
+            # its prompts before this step hands back its stale ones, as in a run that never
+            # stopped (otherwise a resumed run gives a dropped prompt to another step).
+            await asyncio.sleep(0)
             return self.done.pop(step)
         task = self.tasks[step]
         await self._wait(step, task, timeout_s, describe)

@@ -310,8 +310,6 @@ class Controller:
         t0 = time.perf_counter()
         self.pipeline.fill(step)  # no-op when it runs ahead
         batch = await self.pipeline.take(step, cfg.batch_timeout_s, self._activity)
-        if self.router is not None:  # sessions never span steps
-            self.router.forget(f"step={step}/") if self.lag else self.router.reset_sessions()
         t_gen = time.perf_counter()
         version = self.trainer_version
         batch.groups, batch.stale = split_stale(

@@ -42,9 +42,15 @@ DASHBOARD = {
             "Multiline",
             ["trainer/logprob_diff/mean", "trainer/logprob_diff/max"],
         ],
-        "ratios": [
+        # |log ratio|, not the ratio: ratios sit within 1e-6 of 1, where every tick reads 1.
+        "|log ratio| (0 = same policy)": [
             "Multiline",
-            ["loss/ratio_mean", "correction/ratio_min", "correction/ratio_max"],
+            [
+                "loss/log_ratio/abs_mean",
+                "loss/log_ratio/abs_max",
+                "correction/log_ratio/abs_mean",
+                "correction/log_ratio/abs_max",
+            ],
         ],
         "clipped / corrected": [
             "Multiline",

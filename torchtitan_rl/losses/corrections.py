@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from torchtitan_rl.checks import check_range
-from torchtitan_rl.losses.policy_loss import LOG_RATIO_CLAMP, LossConfig
+from torchtitan_rl.losses.policy_loss import LOG_RATIO_CLAMP, LossConfig, masked_max
 from torchtitan_rl.reductions import Metric
 
 Level = Literal["none", "token", "sequence", "geometric"]
@@ -149,6 +149,8 @@ def correction_weights(
     `sequence_ids_N` runs over 0..num_sequences-1; each sequence lies within this call.
     Example: sequence_ids_N = [0, 0, 1], log c = [0.1, -0.3, 0.2], level=sequence ->
     log w = [-0.2, -0.2, 0.2].
+    Metrics (level != none) over valid tokens, before the band: `correction/ratio_mean|min|max`
+    of w, and `correction/log_ratio/abs_mean|abs_max` of |log w| (here 0.2 and 0.2).
     """
     logprobs_N = logprobs_N.detach()
     valid_N = (
@@ -195,6 +197,12 @@ def correction_weights(
         )
         metrics["correction/ratio_min"] = Metric.min(_extreme(ratio_N, valid_N, math.inf))
         metrics["correction/ratio_max"] = Metric.max(_extreme(ratio_N, valid_N, -math.inf))
+        # |log w| charts a weight within 1e-6 of 1 readably; TensorBoard's float32 cannot.
+        abs_log_w_N = log_w_N.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).abs()
+        metrics["correction/log_ratio/abs_mean"] = Metric.mean(
+            torch.where(valid_N, abs_log_w_N, 0.0).sum(), num_valid
+        )
+        metrics["correction/log_ratio/abs_max"] = Metric.max(masked_max(abs_log_w_N, valid_N))
         outside = (outside_N & valid_N).sum().to(num_valid.dtype)
         name = "masked_frac" if config.action == "mask" else "truncated_frac"
         metrics[f"correction/{name}"] = Metric.mean(outside, num_valid)

@@ -152,7 +152,9 @@ class _Tokens:
 
 
 Surrogate = Callable[[_Tokens, LossConfig], tuple[Tensor, Tensor, Tensor]]
-"""(tokens, config) -> (loss_N, ratio_N, clipped_N): per-token loss, ratio, clip indicator."""
+"""(tokens, config) -> (loss_N, log_ratio_N, clipped_N): per-token loss, the detached log of
+the ratio the loss uses (a log, so the metrics tell apart ratios within 1e-6 of 1), clip
+indicator."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +174,7 @@ def _clipped(ratio_N: Tensor, advantages_N: Tensor, config: LossConfig) -> tuple
 def _ppo_clip(tokens: _Tokens, config: LossConfig) -> tuple[Tensor, Tensor, Tensor]:
     ratio_N = torch.exp(tokens.log_ratio_N)
     loss_N, clipped_N = _clipped(ratio_N, tokens.advantages_N, config)
-    return loss_N, ratio_N.detach(), clipped_N
+    return loss_N, tokens.log_ratio_N.detach(), clipped_N
 
 
 def _gspo(tokens: _Tokens, config: LossConfig) -> tuple[Tensor, Tensor, Tensor]:
@@ -183,14 +185,15 @@ def _gspo(tokens: _Tokens, config: LossConfig) -> tuple[Tensor, Tensor, Tensor]:
     # Value s_i for every token of sequence i; gradient s_i * d logp_t (GSPO's token form).
     ratio_N = torch.exp(mean_log_ratio_S[seq_N] + logprobs_N - logprobs_N.detach())
     loss_N, clipped_N = _clipped(ratio_N, tokens.advantages_N, config)
-    return loss_N, ratio_N.detach(), clipped_N
+    return loss_N, mean_log_ratio_S[seq_N], clipped_N
 
 
 def _cispo(tokens: _Tokens, config: LossConfig) -> tuple[Tensor, Tensor, Tensor]:
-    ratio_N = torch.exp(tokens.log_ratio_N.detach())
+    log_ratio_N = tokens.log_ratio_N.detach()
+    ratio_N = torch.exp(log_ratio_N)
     weight_N = ratio_N.clamp(max=1.0 + config.clip_high)
     loss_N = -weight_N * tokens.advantages_N * tokens.logprobs_N
-    return loss_N, ratio_N, ratio_N > 1.0 + config.clip_high
+    return loss_N, log_ratio_N, ratio_N > 1.0 + config.clip_high
 
 
 LOSSES: dict[LossName, PolicyLoss] = {
@@ -227,6 +230,10 @@ def policy_loss(
     the policy term; `bypass` (generator mode with a weight-carrying correction) makes that
     term -A_t logp_t, the weights being the corrected ratio pi_theta / mu.
     Example: two sequences, tokens [a0 a1 a2 | b0], sequence_ids_N = [0, 0, 0, 1].
+    Ratio metrics over valid tokens, r_t the ratio the loss uses (s_i for gspo):
+    `loss/ratio_mean` = mean r_t; `loss/log_ratio/abs_mean|abs_max` = mean|max |log r_t|,
+    readable where r_t is within 1e-6 of 1 (a chart of r_t there has every tick at 1, and
+    TensorBoard's float32 keeps about 7 digits).
     """
     if num_global_tokens < 1 or num_global_sequences < 1:
         raise ValueError(
@@ -242,9 +249,9 @@ def policy_loss(
     )
     if bypass:
         per_token_N = -tokens.advantages_N * tokens.logprobs_N
-        ratio_N, clipped_N = torch.exp(tokens.log_ratio_N.detach()), None
+        log_ratio_N, clipped_N = tokens.log_ratio_N.detach(), None
     else:
-        per_token_N, ratio_N, clipped_N = spec.surrogate(tokens, config)
+        per_token_N, log_ratio_N, clipped_N = spec.surrogate(tokens, config)
     if correction_weights_N is not None:
         per_token_N = per_token_N * _masked(correction_weights_N.detach(), valid_N)
     policy_N = _masked(per_token_N, valid_N)
@@ -265,18 +272,20 @@ def policy_loss(
 
     loss = aggregate(total_N)
     # This microbatch's share of the step: its shares of the loss add up to the step's loss.
-    share = old_finite_N.sum().to(ratio_N.dtype) / num_global_tokens
+    share = old_finite_N.sum().to(log_ratio_N.dtype) / num_global_tokens
     metrics = {
         "loss/mean": Metric.mean(loss.detach(), share),
         "loss/policy": Metric.mean(aggregate(policy_N).detach(), share),
     }
-    num_valid = valid_N.sum().to(ratio_N.dtype)
+    num_valid = valid_N.sum().to(log_ratio_N.dtype)
 
     def token_mean(values_N: Tensor) -> Metric:
-        values_N = values_N.detach().to(ratio_N.dtype)
+        values_N = values_N.detach().to(log_ratio_N.dtype)
         return Metric.mean(torch.where(valid_N, values_N, 0.0).sum(), num_valid)
 
-    metrics["loss/ratio_mean"] = token_mean(ratio_N)
+    metrics["loss/ratio_mean"] = token_mean(torch.exp(log_ratio_N))
+    metrics["loss/log_ratio/abs_mean"] = token_mean(log_ratio_N.abs())
+    metrics["loss/log_ratio/abs_max"] = Metric.max(masked_max(log_ratio_N.abs(), valid_N))
     if clipped_N is not None:
         metrics["loss/clip_frac"] = token_mean(clipped_N)
     if entropy_N is not None:
@@ -288,6 +297,13 @@ def policy_loss(
 
 def _masked(values_N: Tensor, valid_N: Tensor) -> Tensor:
     return torch.where(valid_N, values_N, 0.0)
+
+
+def masked_max(values_N: Tensor, valid_N: Tensor) -> Tensor:
+    """Max of `values_N` over valid tokens without a host sync; -inf ("nothing seen", left
+    out by `reductions.results`) when there are none."""
+    filled_N = torch.where(valid_N, values_N, -math.inf)
+    return torch.cat([filled_N, values_N.new_tensor([-math.inf])]).amax()
 
 
 def _sanitise(

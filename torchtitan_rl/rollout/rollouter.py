@@ -29,6 +29,7 @@ from torchtitan_rl.envs.base import draw_train_sample
 from torchtitan_rl.rollout.advantages import group_has_signal
 from torchtitan_rl.rollout.token_env import TokenEnv, TokenEnvError
 from torchtitan_rl.types import (
+    EndsSessions,
     GenerateFn,
     Rollout,
     RolloutGroup,
@@ -218,9 +219,13 @@ class Rollouter:
         except TokenEnvError as e:
             return _fail(rollout, e.status, str(e), e.details)
 
-        status = await self._play_turns(
-            rollout, env, prompt_ids, generate_fn, sampling=sampling, step=step
-        )
+        try:
+            status = await self._play_turns(
+                rollout, env, prompt_ids, generate_fn, sampling=sampling, step=step
+            )
+        finally:  # a session's turns are all in _play_turns
+            if isinstance(generate_fn, EndsSessions):
+                generate_fn.end_session(session_id)
         rollout.messages = list(env.messages)
         rollout.status = status
         if not status.is_error():

@@ -3,6 +3,8 @@
 A rollout's turns carry one session id; the first turn of a session goes to the
 least-loaded replica and every later turn sticks to it, so the replica's prefix cache
 already holds the conversation so far. Calls without a session id go least-loaded.
+The Rollouter ends each session when its rollout ends (`end_session`), so `sessions` holds
+the live rollouts only, however many steps run ahead (rollout.max_staleness) or overlap.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class Router:
         self.replicas = list(replicas)
         self.inflight = [0] * len(replicas)
         self.sessions: dict[str, int] = {}
+        """{session id: replica} of the sessions not ended yet."""
         self.routed = [0] * len(replicas)
 
     def pick(self, session_id: str | None) -> int:
@@ -34,14 +37,10 @@ class Router:
             self.sessions[session_id] = index
         return index
 
-    def forget(self, prefix: str) -> None:
-        """Forget the affinities of sessions whose id starts with `prefix` (e.g. "step=3/":
-        a step trained while later steps' sessions are still running)."""
-        self.sessions = {k: v for k, v in self.sessions.items() if not k.startswith(prefix)}
-
-    def reset_sessions(self) -> None:
-        """Forget every affinity (the controller calls it between steps)."""
-        self.sessions.clear()
+    def end_session(self, session_id: str) -> None:
+        """The session's rollout is over: forget its replica (a later session with the same
+        id, e.g. a validation sample's, is placed afresh)."""
+        self.sessions.pop(session_id, None)
 
     async def __call__(
         self,
