@@ -8,10 +8,11 @@
 #
 # s1: 1 GPU shared (trainer and generator on one GPU), 64 and 256 rollouts, N = 0 and 1
 #     (side by side on GPUs 2 and 3), and `pytest -m "gpu and not vllm"` on GPUs 0-1
-# s2: 1 trainer GPU + 1 generator GPU, same runs (GPUs 0-1 and 2-3 side by side)
-# s3: the vLLM GPU tests on GPUs 0-1 (waits for vLLM in /tmp/vsite), weight transport on 2-3
-# s4: 1 trainer + 3 generator GPUs, N = 0 and 1
-# s5: FSDP over 2 trainer GPUs + 2 generator GPUs, N = 1; then the Qwen3-4B shape, 2 + 2
+# s2: tests/test_two_gpus.py, both backends (waits for vLLM in /tmp/vsite), on GPUs 0-1;
+#     1 trainer GPU + 1 generator GPU, 64 rollouts, N = 0 and 1, on GPUs 2-3
+# s3: the same at 256 rollouts on GPUs 0-1; weight transports across GPUs 2-3
+# s4: 1 trainer + 3 generator GPUs, N = 1; the Qwen3-4B shape and the 0.6B with FSDP over 2
+#     trainer GPUs + 2 generator GPUs, N = 1
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${RESULTS:-/tmp/bench_placement}
@@ -34,48 +35,41 @@ s1() {
   wait
 }
 
-s2() {
-  async 0,1 s2_split_p8 1+1 8 &
-  async 2,3 s2_split_p32 1+1 32 &
-  wait
-}
-
-s3() {
+s2() {  # the 2-GPU tests of both backends beside the split runs at 64 rollouts
   (
     for _ in $(seq 60); do [ -d /tmp/vsite/vllm ] && break; sleep 10; done
     source .vllm5/install.sh
-    CUDA_VISIBLE_DEVICES=0,1 python -m pytest -m vllm -o addopts="" -q \
-      tests/test_two_gpus.py tests/test_vllm_gpu.py > "$RESULTS/s3_pytest_vllm.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0,1 python -m pytest -o addopts="" -q tests/test_two_gpus.py \
+      > "$RESULTS/s2_pytest_two_gpus.log" 2>&1
   ) &
+  async 2,3 s2_split_p8 1+1 8 &
+  wait
+}
+
+s3() {  # the split runs at 256 rollouts beside the weight transports
+  async 0,1 s3_split_p32 1+1 32 &
   (
     export CUDA_VISIBLE_DEVICES=2,3
     python scripts/bench_gpu_transport.py --out "$RESULTS/s3_transport"
-    for g in 0 1; do
+    for g in 1 0; do
       python scripts/bench_weight_sync.py --generator-gpu $g --out "$RESULTS/s3_sync_06b_gpu$g"
     done
-    python scripts/bench_weight_sync.py --flavor 4B --generator-gpu 1 --repeats 3 \
-      --out "$RESULTS/s3_sync_4b_gpu1"
   ) > "$RESULTS/s3_transport.log" 2>&1 &
   wait
 }
 
-s4() {
-  CUDA_VISIBLE_DEVICES=0,1,2,3 python scripts/bench_async.py --out "$RESULTS/s4_1p3" \
-    --layouts 1+3 --staleness 0 1 --prompts 8 32 --skip $SKIP --common "$COMMON" \
-    > "$RESULTS/s4_1p3.log" 2>&1
+s4() {  # all four GPUs, most wanted first
+  export CUDA_VISIBLE_DEVICES=0,1,2,3
+  python scripts/bench_async.py --out "$RESULTS/s4_1p3" --layouts 1+3 --staleness 1 \
+    --prompts 32 8 --skip $SKIP --common "$COMMON" > "$RESULTS/s4_1p3.log" 2>&1
+  python scripts/bench_async.py --out "$RESULTS/s4_4b" --layouts 2+2 --staleness 1 --prompts 8 \
+    --skip $SKIP --common "$COMMON --model.flavor=4B --batcher.rows_per_microbatch=2" \
+    > "$RESULTS/s4_4b.log" 2>&1
+  python scripts/bench_async.py --out "$RESULTS/s4_2p2" --layouts 2+2 --staleness 1 \
+    --prompts 32 --skip $SKIP --common "$COMMON" > "$RESULTS/s4_2p2.log" 2>&1
 }
 
-s5() {
-  CUDA_VISIBLE_DEVICES=0,1,2,3 python scripts/bench_async.py --out "$RESULTS/s5_2p2" \
-    --layouts 2+2 --staleness 1 --prompts 8 32 --skip $SKIP --common "$COMMON" \
-    > "$RESULTS/s5_2p2.log" 2>&1
-  CUDA_VISIBLE_DEVICES=0,1,2,3 python scripts/bench_async.py --out "$RESULTS/s5_4b" \
-    --layouts 2+2 --staleness 0 1 --prompts 8 --skip $SKIP \
-    --common "$COMMON --model.flavor=4B --batcher.rows_per_microbatch=2" \
-    > "$RESULTS/s5_4b.log" 2>&1
-}
-
-stages=${*:-s1 s2 s3 s4 s5}
+stages=${*:-s1 s2 s3 s4}
 for s in $stages; do
   echo "$(date +%T) $s start" >> "$RESULTS/progress.txt"
   $s

@@ -108,6 +108,8 @@ async def _timed(fn) -> float:
 
 async def run(args, device: str) -> dict:
     kind = "gpus" if device == "cuda" else "procs"
+    n = torch.cuda.device_count() if device == "cuda" else 0
+    view = (args.generator_gpu, *(g for g in range(n) if g != args.generator_gpu))
     trainer_procs = this_host().spawn_procs(per_host={kind: 1})
     generator_procs = this_host().spawn_procs(per_host={kind: 1})
     try:
@@ -127,7 +129,7 @@ async def run(args, device: str) -> dict:
         engine = EngineConfig(dtype=args.dtype, max_num_seqs=4, max_seq_len=256, cuda_graphs=False)
         generator = generator_procs.spawn(
             "generator", GeneratorActor, model=model, engine=engine, vocab_size=args.vocab,
-            device=device, gpu=args.generator_gpu if device == "cuda" else None,
+            device=device, gpus=view if device == "cuda" else (),
         )  # fmt: skip
         transport = await choose_transport(trainer, [generator])
         out = await trainer.publish_weights.call(args.dtype)

@@ -12,7 +12,7 @@ from torchtitan_rl.config import load_config
 from torchtitan_rl.config.job import ParallelismConfig
 from torchtitan_rl.controller.placement import Placement, place, plan
 from torchtitan_rl.controller.processes import process_lines, record_processes
-from torchtitan_rl.device import see_gpu_first
+from torchtitan_rl.device import see_gpus_in_order
 
 
 @pytest.mark.parametrize(
@@ -90,24 +90,33 @@ def test_placement_key_is_read_from_the_config_and_checked():
 
 
 @pytest.mark.parametrize(
-    "visible, gpu, expected",
+    "visible, gpus, replica, expected",
     [
-        (None, 1, "1,0,2,3"),
-        (None, 0, "0,1,2,3"),
-        (None, 3, "3,0,1,2"),
-        ("4,5,6", 2, "6,4,5"),  # indices are positions among the visible GPUs
+        (None, (0, 1), 0, "1,0,2,3"),  # trainer on 0, the generator on 1
+        (None, (0, 1, 2, 3), 2, "3,0,1,2"),  # replica 2 of 1 + 3
+        (None, (0, 0), 0, "0,1,2,3"),  # shared: the trainer's GPU first
+        ("4,5,6,7", (0, 1), 0, "5,4,6,7"),  # indices are positions among the visible GPUs
     ],
 )
-def test_a_generator_sees_its_gpu_first_and_the_others_after(monkeypatch, visible, gpu, expected):
+def test_a_generator_sees_its_gpu_first_and_the_others_after(
+    monkeypatch, visible, gpus, replica, expected
+):
+    import os
+
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible or "")  # restored after the test
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setattr("torch.cuda.is_initialized", lambda: False)
-    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
-    see_gpu_first(gpu)
-    import os
+    counted = []  # counting devices can start CUDA and fix the order: never asked
+    monkeypatch.setattr("torch.cuda.device_count", lambda: counted.append(1) or 4)
+    trainer, generators = gpus[:1], gpus[1:]
+    p = Placement(trainer=trainer, generators=generators, gpus=4)
+    see_gpus_in_order(p.generator_view(replica))
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == expected and not counted
 
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == expected
+
+def test_cpu_runs_have_no_gpu_view():
+    assert place(gpus=0, trainer_procs=2, replicas=2, mode="auto").generator_view(1) == ()
 
 
 def test_the_summary_lists_each_process_and_its_gpu(tmp_path):

@@ -32,17 +32,18 @@ def pick_device(kind: str, cpu_threads: int = 0, gpu: int | None = None) -> torc
     return torch.device("cuda", gpu)
 
 
-def see_gpu_first(gpu: int) -> None:
-    """Make GPU `gpu` (an index among the GPUs visible now) this process's cuda:0 and keep
-    the others visible after it, so CUDA IPC from another GPU still opens (SharedReader finds
-    the trainer's GPU by UUID). vLLM puts its engine on cuda:0 whatever device it is given:
-    this is how a generator of either backend lands on its GPU. Runs before CUDA starts in
-    this process (device_count() reads NVML without starting it)."""
+def see_gpus_in_order(order: tuple[int, ...]) -> None:
+    """Make this process see the host's GPUs in `order` (indices among the GPUs the job
+    sees): order[0] becomes cuda:0, and the others stay visible after it, so CUDA IPC from
+    another GPU still opens (SharedReader finds the trainer's GPU by UUID). vLLM puts its
+    engine on cuda:0 whatever device it is given: this is how a generator of either backend
+    lands on its GPU. Must run before CUDA starts in this process, and asks CUDA nothing
+    (even counting devices can start it and fix the order)."""
     if torch.cuda.is_initialized():
-        raise RuntimeError("see_gpu_first: CUDA already started in this process")
+        raise RuntimeError("see_gpus_in_order: CUDA already started in this process")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join([ids[gpu], *ids[:gpu], *ids[gpu + 1 :]])
+    ids = visible.split(",") if visible else [str(i) for i in range(len(order))]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in order)
 
 
 def describe_device(device: torch.device) -> dict:

@@ -125,10 +125,11 @@ def spawn_trainer(
 
 def spawn_generators(
     meshes: list, names: list[str], config: Config, *, vocab_size: int, log_dir: str,
-    hf_folder: str, gpus: tuple[int, ...] = (),
+    hf_folder: str, placement: Placement | None = None,
 ) -> list[GeneratorActor]:  # fmt: skip
     """One generator actor per mesh, named `names[i]` (the names the Supervisor reports),
-    replica i on GPU `gpus[i]` (the placement; empty: GPU 0)."""
+    replica i on the GPU `placement` gives it (None or CPU: GPU 0 when there is one)."""
+    placement = placement or Placement()
     cfg = config
     return [
         mesh.spawn(
@@ -142,7 +143,7 @@ def spawn_generators(
             actor_name=name,
             log_dir=log_dir,
             hf_folder=hf_folder,
-            gpu=gpus[i] if gpus else None,
+            gpus=placement.generator_view(i),
         )
         for i, (name, mesh) in enumerate(zip(names, meshes, strict=True))
     ]

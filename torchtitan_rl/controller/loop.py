@@ -168,7 +168,7 @@ class Controller:
         self.generators = spawn_generators(
             self.meshes.generators, list(self.supervisor.names[1:]), cfg, vocab_size=vocab,
             log_dir=log_dir, hf_folder=await self.generator_start_folder(),
-            gpus=gpus.generators,
+            placement=gpus,
         )  # fmt: skip
         fns = [
             ActorGenerateFn(g, name) for g, name in zip(self.generators, self.supervisor.names[1:])

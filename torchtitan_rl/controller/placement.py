@@ -29,6 +29,16 @@ class Placement:
 
     trainer: tuple[int, ...] = ()
     generators: tuple[int, ...] = ()
+    gpus: int = 0
+    """GPUs on the host (the job's visible ones)."""
+
+    def generator_view(self, replica: int) -> tuple[int, ...]:
+        """The order replica `replica` sees the host's GPUs in: its own first, then the
+        rest (empty on CPU); see device.see_gpus_in_order."""
+        if not self.gpus:
+            return ()
+        own = self.generators[replica]
+        return (own, *(g for g in range(self.gpus) if g != own))
 
     @property
     def split(self) -> bool:
