@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -44,6 +45,7 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from torchtitan_rl.actors.generator import GeneratorActor
 from torchtitan_rl.actors.trainer import TrainerActor
+from torchtitan_rl.device import see_gpus_in_order
 from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
@@ -111,7 +113,9 @@ async def run(args, device: str) -> dict:
     n = torch.cuda.device_count() if device == "cuda" else 0
     view = (args.generator_gpu, *(g for g in range(n) if g != args.generator_gpu))
     trainer_procs = this_host().spawn_procs(per_host={kind: 1})
-    generator_procs = this_host().spawn_procs(per_host={kind: 1})
+    generator_procs = this_host().spawn_procs(
+        per_host={kind: 1}, bootstrap=functools.partial(see_gpus_in_order, view) if n else None
+    )
     try:
         await setup_torch_elastic_env_async(trainer_procs)
         model = ModelConfig(flavor=args.flavor, max_seq_len=256)
@@ -129,7 +133,7 @@ async def run(args, device: str) -> dict:
         engine = EngineConfig(dtype=args.dtype, max_num_seqs=4, max_seq_len=256, cuda_graphs=False)
         generator = generator_procs.spawn(
             "generator", GeneratorActor, model=model, engine=engine, vocab_size=args.vocab,
-            device=device, gpus=view if device == "cuda" else (),
+            device=device, gpu=args.generator_gpu if device == "cuda" else None,
         )  # fmt: skip
         transport = await choose_transport(trainer, [generator])
         out = await trainer.publish_weights.call(args.dtype)

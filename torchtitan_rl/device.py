@@ -37,8 +37,9 @@ def see_gpus_in_order(order: tuple[int, ...]) -> None:
     sees): order[0] becomes cuda:0, and the others stay visible after it, so CUDA IPC from
     another GPU still opens (SharedReader finds the trainer's GPU by UUID). vLLM puts its
     engine on cuda:0 whatever device it is given: this is how a generator of either backend
-    lands on its GPU. Must run before CUDA starts in this process, and asks CUDA nothing
-    (even counting devices can start it and fix the order)."""
+    lands on its GPU. Must run before CUDA starts in this process (importing torchtitan
+    starts it), so it runs as the Monarch process's bootstrap, and asks CUDA nothing (even
+    counting devices can start it and fix the order)."""
     if torch.cuda.is_initialized():
         raise RuntimeError("see_gpus_in_order: CUDA already started in this process")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

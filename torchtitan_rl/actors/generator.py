@@ -11,7 +11,7 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint
 
 from torchtitan_rl.actors.fault_log import enable_fault_log
-from torchtitan_rl.device import describe_device, pick_device, see_gpus_in_order
+from torchtitan_rl.device import describe_device, pick_device
 from torchtitan_rl.generation.engine import Engine
 from torchtitan_rl.generation.interface import EngineConfig, GenerationEngine, error_completion
 from torchtitan_rl.models.qwen3 import ModelConfig, build_model, model_args
@@ -53,17 +53,15 @@ class GeneratorActor(Actor):
         actor_name: str = "generator",
         log_dir: str | None = None,
         hf_folder: str = "",
-        gpus: tuple[int, ...] = (),
+        gpu: int | None = None,
     ):
         """`hf_folder`: where the vllm backend starts from (the policy exported by the
-        trainer, or model.hf_checkpoint); unused by the native engine. `gpus`: the order this
-        process sees the host's GPUs in, its own first (Placement.generator_view; empty: as
-        the host lists them); its own becomes cuda:0."""
+        trainer, or model.hf_checkpoint); unused by the native engine. The process computes on
+        cuda:0; the launcher made that the GPU the placement gave this replica, `gpu` (the
+        host's index, for the log; launcher.gpu_order_setup)."""
         self.fault_log = enable_fault_log(log_dir, actor_name, 0)
-        self.actor_name, self.gpu = actor_name, (gpus[0] if gpus else None)
-        if gpus and device != "cpu":
-            see_gpus_in_order(gpus)
-        dev = self.device = pick_device(device, cpu_threads)
+        self.actor_name, self.gpu = actor_name, gpu
+        dev = self.device = pick_device(device, cpu_threads, 0 if gpu is not None else None)
         self.engine = build_engine(model, engine, vocab_size, dev, hf_folder)
         self.shared_reader = SharedReader(dev)
 
