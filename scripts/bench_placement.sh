@@ -20,11 +20,11 @@ mkdir -p "$RESULTS"
 COMMON="--warm_start.steps=40 --training.steps=8 --validation.interval=0 --checkpoint.interval=0"
 SKIP=3
 
-async() {  # async <gpus> <out> <layout> <prompts...> -- runs N = 0 and 1
-  local gpus=$1 out=$2 layout=$3; shift 3
+async() {  # async <gpus> <out> <layout> <prompts> [staleness...] (default N = 0 and 1)
+  local gpus=$1 out=$2 layout=$3 prompts=$4; shift 4
   CUDA_VISIBLE_DEVICES=$gpus python scripts/bench_async.py --out "$RESULTS/$out" \
-    --layouts "$layout" --staleness 0 1 --prompts "$@" --skip $SKIP --common "$COMMON" \
-    > "$RESULTS/$out.log" 2>&1
+    --layouts "$layout" --staleness ${*:-0 1} --prompts $prompts --skip $SKIP \
+    --common "$COMMON" > "$RESULTS/$out.log" 2>&1
 }
 
 s1() {
@@ -67,6 +67,32 @@ s4() {  # all four GPUs, most wanted first
     > "$RESULTS/s4_4b.log" 2>&1
   python scripts/bench_async.py --out "$RESULTS/s4_2p2" --layouts 2+2 --staleness 1 \
     --prompts 32 --skip $SKIP --common "$COMMON" > "$RESULTS/s4_2p2.log" 2>&1
+}
+
+# a short session (about 10 device minutes): the 64-rollout rows and both 2-GPU tests
+q1() {
+  CUDA_VISIBLE_DEVICES=0,1 python -m pytest -o addopts="" -q tests/test_two_gpus.py -m "not vllm" \
+    > "$RESULTS/q1_pytest_two_gpus.log" 2>&1 &
+  async 2,3 q1_split_p8 1+1 8 &
+  wait
+}
+
+q2() {
+  (
+    for _ in $(seq 30); do [ -d /tmp/vsite/vllm ] && break; sleep 10; done
+    source .vllm5/install.sh
+    CUDA_VISIBLE_DEVICES=0,1 python -m pytest -o addopts="" -q tests/test_two_gpus.py -m vllm \
+      > "$RESULTS/q2_pytest_two_gpus_vllm.log" 2>&1
+  ) &
+  async 2 q2_shared_p8_n0 1+1:shared 8 0 &
+  async 3 q2_shared_p8_n1 1+1:shared 8 1 &
+  wait
+}
+
+q3() {
+  async 0,1,2,3 q3_1p3_p8 1+3 8 1
+  CUDA_VISIBLE_DEVICES=0,1 python scripts/bench_gpu_transport.py --out "$RESULTS/q3_transport" \
+    > "$RESULTS/q3_transport.log" 2>&1
 }
 
 stages=${*:-s1 s2 s3 s4}
