@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import os
 import platform
@@ -45,7 +44,6 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from torchtitan_rl.actors.generator import GeneratorActor
 from torchtitan_rl.actors.trainer import TrainerActor
-from torchtitan_rl.device import see_gpus_in_order
 from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
@@ -110,12 +108,8 @@ async def _timed(fn) -> float:
 
 async def run(args, device: str) -> dict:
     kind = "gpus" if device == "cuda" else "procs"
-    n = torch.cuda.device_count() if device == "cuda" else 0
-    view = (args.generator_gpu, *(g for g in range(n) if g != args.generator_gpu))
     trainer_procs = this_host().spawn_procs(per_host={kind: 1})
-    generator_procs = this_host().spawn_procs(
-        per_host={kind: 1}, bootstrap=functools.partial(see_gpus_in_order, view) if n else None
-    )
+    generator_procs = this_host().spawn_procs(per_host={kind: 1})
     try:
         await setup_torch_elastic_env_async(trainer_procs)
         model = ModelConfig(flavor=args.flavor, max_seq_len=256)

@@ -86,7 +86,7 @@ def _train(config, debug: bool) -> int:
     try:
         from torchtitan_rl.controller.placement import plan
 
-        plan(config.parallelism, config.generator.num_replicas)  # GPUs short: one line, now
+        plan(config.parallelism, config.generator.num_replicas, config.generator.backend)
         controller = Controller(config)
         done = controller.completed_step()
         if done >= controller.last_step():

@@ -56,12 +56,11 @@ class GeneratorActor(Actor):
         gpu: int | None = None,
     ):
         """`hf_folder`: where the vllm backend starts from (the policy exported by the
-        trainer, or model.hf_checkpoint); unused by the native engine. The process computes on
-        cuda:0; the launcher made that the GPU the placement gave this replica, `gpu` (the
-        host's index, for the log; launcher.gpu_order_setup)."""
+        trainer, or model.hf_checkpoint); unused by the native engine. `gpu`: the GPU the
+        placement gave this replica (None: GPU 0)."""
         self.fault_log = enable_fault_log(log_dir, actor_name, 0)
-        self.actor_name, self.gpu = actor_name, gpu
-        dev = self.device = pick_device(device, cpu_threads, 0 if gpu is not None else None)
+        self.actor_name = actor_name
+        dev = self.device = pick_device(device, cpu_threads, gpu)
         self.engine = build_engine(model, engine, vocab_size, dev, hf_folder)
         self.shared_reader = SharedReader(dev)
 
@@ -123,10 +122,7 @@ class GeneratorActor(Actor):
     @concurrent_endpoint
     async def where(self) -> dict:
         """This process's host, process and GPU (index, UUID, peak memory)."""
-        where = {"role": self.actor_name, "rank": 0, **describe_device(self.device)}
-        if self.gpu is not None and "gpu" in where:
-            where["gpu"] = self.gpu  # the host's index; cuda:0 in this process
-        return where
+        return {"role": self.actor_name, "rank": 0, **describe_device(self.device)}
 
     @concurrent_endpoint
     async def pid(self) -> int:

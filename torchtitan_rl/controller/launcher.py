@@ -12,7 +12,6 @@ itself, so placement (which GPU, which host) is decided in this one module.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,7 +22,6 @@ from torchtitan_rl.config import Config
 from torchtitan_rl.config.job import ParallelismConfig
 from torchtitan_rl.controller.placement import Placement, plan
 from torchtitan_rl.controller.supervision import SupervisionError
-from torchtitan_rl.device import see_gpus_in_order
 from torchtitan_rl.types import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -85,32 +83,23 @@ class Meshes:
         return [self.trainer, *self.generators]
 
 
-async def launch_local(parallelism: ParallelismConfig, replicas: int) -> Meshes:
+async def launch_local(
+    parallelism: ParallelismConfig, replicas: int, backend: str = "native"
+) -> Meshes:
     """This host: `trainer_procs` processes for the trainer and one process per generator
     replica, on the GPUs `placement.plan` gives them; the trainer's get a torch.distributed
     environment."""
     from monarch.actor import this_host
     from monarch.spmd import setup_torch_elastic_env_async
 
-    placement = plan(parallelism, replicas)
+    placement = plan(parallelism, replicas, backend)
     logger.info("placement: %s", placement.describe())
     kind = "gpus" if placement.trainer else "procs"
     host = this_host()
     trainer = host.spawn_procs(per_host={kind: parallelism.trainer_procs})
-    generators = [
-        host.spawn_procs(per_host={kind: 1}, bootstrap=gpu_order_setup(placement, i))
-        for i in range(replicas)
-    ]
+    generators = [host.spawn_procs(per_host={kind: 1}) for _ in range(replicas)]
     await setup_torch_elastic_env_async(trainer)
     return Meshes(trainer=trainer, generators=generators, placement=placement)
-
-
-def gpu_order_setup(placement: Placement, replica: int):
-    """The bootstrap of generator replica `replica`'s process: it sees its own GPU as cuda:0,
-    the others after it (None on CPU). Set when the process starts: by the time an actor is
-    built, importing torchtitan has started CUDA and the order is fixed."""
-    view = placement.generator_view(replica)
-    return functools.partial(see_gpus_in_order, view) if view else None
 
 
 def spawn_trainer(

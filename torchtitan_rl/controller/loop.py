@@ -159,7 +159,7 @@ class Controller:
                 logger.warning("  changed since that checkpoint: %s", change)
         self.supervisor.install()
         replicas = cfg.generator.num_replicas
-        self.meshes = await launch_local(cfg.parallelism, replicas)
+        self.meshes = await launch_local(cfg.parallelism, replicas, cfg.generator.backend)
         vocab, log_dir = self.tokenizer.vocab_size, str(self.log_dir)
         gpus = self.meshes.placement
         self.trainer = spawn_trainer(

@@ -18,6 +18,7 @@ over CUDA IPC when it runs on another GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torchtitan_rl.config.job import ParallelismConfig, PlacementMode
@@ -83,8 +84,17 @@ def place(*, gpus: int, trainer_procs: int, replicas: int, mode: PlacementMode) 
     return Placement(trainer=trainer, generators=tuple(i % trainer_procs for i in range(replicas)))
 
 
-def plan(parallelism: ParallelismConfig, replicas: int) -> Placement:
-    """The placement of this job on this host's GPUs (see `place`)."""
+def plan(parallelism: ParallelismConfig, replicas: int, backend: str = "native") -> Placement:
+    """The placement of this job on this host's GPUs (see `place`). The vllm backend runs on
+    GPU 0 (vLLM puts its engine on the first visible GPU whatever device it is given), so it
+    shares the trainer's GPU: "split" is refused in one line, "auto" shares."""
+    if backend == "vllm" and parallelism.gpu_count():
+        if parallelism.placement == "split":
+            raise ValueError(
+                'parallelism.placement = "split" is not available with generator.backend = '
+                '"vllm" (vLLM starts its engine on GPU 0); valid: "auto" or "shared"'
+            )
+        parallelism = dataclasses.replace(parallelism, placement="shared")
     return place(
         gpus=parallelism.gpu_count(),
         trainer_procs=parallelism.trainer_procs,
