@@ -12,7 +12,6 @@ from torchtitan_rl.config import load_config
 from torchtitan_rl.config.job import ParallelismConfig
 from torchtitan_rl.controller.placement import Placement, place, plan
 from torchtitan_rl.controller.processes import process_lines, record_processes
-from torchtitan_rl.device import see_gpus_in_order
 
 
 @pytest.mark.parametrize(
@@ -31,7 +30,7 @@ from torchtitan_rl.device import see_gpus_in_order
 )
 def test_placement_over_a_fake_gpu_count(gpus, trainer, replicas, mode, expected):
     p = place(gpus=gpus, trainer_procs=trainer, replicas=replicas, mode=mode)
-    assert (p.trainer, p.generators) == expected
+    assert (p.trainer, p.generators, p.gpus) == (*expected, gpus)
     assert p.split == (not set(expected[0]) & set(expected[1]))
 
 
@@ -89,36 +88,6 @@ def test_placement_key_is_read_from_the_config_and_checked():
         load_config("train_configs/alphabet_sort_tiny.toml", ["--parallelism.placement=spread"])
 
 
-@pytest.mark.parametrize(
-    "visible, gpus, replica, expected",
-    [
-        (None, (0, 1), 0, "1,0,2,3"),  # trainer on 0, the generator on 1
-        (None, (0, 1, 2, 3), 2, "3,0,1,2"),  # replica 2 of 1 + 3
-        (None, (0, 0), 0, "0,1,2,3"),  # shared: the trainer's GPU first
-        ("4,5,6,7", (0, 1), 0, "5,4,6,7"),  # indices are positions among the visible GPUs
-    ],
-)
-def test_a_generator_sees_its_gpu_first_and_the_others_after(
-    monkeypatch, visible, gpus, replica, expected
-):
-    import os
-
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible or "")  # restored after the test
-    if visible is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    monkeypatch.setattr("torch.cuda.is_initialized", lambda: False)
-    counted = []  # counting devices can start CUDA and fix the order: never asked
-    monkeypatch.setattr("torch.cuda.device_count", lambda: counted.append(1) or 4)
-    trainer, generators = gpus[:1], gpus[1:]
-    p = Placement(trainer=trainer, generators=generators, gpus=4)
-    see_gpus_in_order(p.generator_view(replica))
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == expected and not counted
-
-
-def test_cpu_runs_have_no_gpu_view():
-    assert place(gpus=0, trainer_procs=2, replicas=2, mode="auto").generator_view(1) == ()
-
-
 def test_the_summary_lists_each_process_and_its_gpu(tmp_path):
     processes = [
         {"role": "trainer", "rank": 0, "host": "h", "pid": 11, "device": "cuda:0", "gpu": 0,
@@ -132,3 +101,13 @@ def test_the_summary_lists_each_process_and_its_gpu(tmp_path):
     assert lines[0].startswith("procs    trainer rank 0") and "GPU 0 GPU-aaa" in lines[0]
     assert "generator" in lines[1] and "GPU 1 GPU-bbb  peak 52.81 GiB" in lines[1]
     assert process_lines(tmp_path / "nothing") == []
+
+
+def test_the_vllm_backend_shares_gpu_0_and_refuses_split(monkeypatch):
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
+    par = ParallelismConfig(trainer_procs=1, device="cuda")
+    assert plan(par, 2, "native") == Placement(trainer=(0,), generators=(1, 2), gpus=4)
+    assert plan(par, 2, "vllm") == Placement(trainer=(0,), generators=(0, 0), gpus=4)
+    par.placement = "split"
+    with pytest.raises(ValueError, match='"split" is not available with generator.backend'):
+        plan(par, 1, "vllm")

@@ -1,7 +1,9 @@
-"""Two GPUs (issue 30): the trainer on GPU 0 and the generator on GPU 1, 3 RL steps through
-Monarch; after every sync the generator holds the trainer's weights bit for bit (CUDA IPC
-across the two GPUs), for both generator backends. Marked `gpu`; skipped with fewer than 2
-GPUs (the vLLM case also without vLLM)."""
+"""Two GPUs (issue 30), 3 RL steps through Monarch; after every sync the generator holds the
+trainer's weights bit for bit (CUDA IPC), for both generator backends:
+- native: the trainer on GPU 0, the generator on GPU 1 (the copy crosses GPUs);
+- vllm: FSDP over GPUs 0 and 1, vLLM on GPU 0 (it starts its engine on the first GPU, so
+  the placement shares; the sync gathers across both GPUs).
+Marked `gpu`; skipped with fewer than 2 GPUs (the vLLM case also without vLLM)."""
 
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ def assert_same_weights(held: dict, expected: dict) -> int:
 
 
 @pytest.mark.parametrize("backend", ["native", pytest.param("vllm", marks=pytest.mark.vllm)])
-def test_three_rl_steps_with_the_trainer_on_gpu0_and_the_generator_on_gpu1(tmp_path, backend):
+def test_three_rl_steps_on_two_gpus_hold_the_trainer_weights_bit_for_bit(tmp_path, backend):
     if backend == "vllm":
         pytest.importorskip("vllm")
     from torchtitan_rl.models.qwen3 import model_args
@@ -75,8 +77,8 @@ def test_three_rl_steps_with_the_trainer_on_gpu0_and_the_generator_on_gpu1(tmp_p
         [
             f"--job.output_dir={tmp_path}",
             "--parallelism.device=cuda",
-            "--parallelism.trainer_procs=1",
-            "--parallelism.placement=split",
+            f"--parallelism.trainer_procs={1 if backend == 'native' else 2}",
+            f"--parallelism.placement={'split' if backend == 'native' else 'auto'}",
             f"--generator.backend={backend}",
             "--generator.dtype=bfloat16",
             "--generator.max_num_seqs=16",
@@ -111,7 +113,8 @@ def test_three_rl_steps_with_the_trainer_on_gpu0_and_the_generator_on_gpu1(tmp_p
     assert transport is WeightTransport.CUDA_IPC  # the generator opens GPU 0's buffer
     assert [(p, v) for p, v, _ in checks] == [(3, 3), (4, 4), (5, 5)]
     processes = json.loads((controller.run_dir / "processes.json").read_text())
-    trainer, generator = processes
-    assert (trainer["role"], trainer["gpu"], generator["gpu"]) == ("trainer", 0, 1)
     uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(2)]
-    assert [trainer["uuid"], generator["uuid"]] == uuids  # the physical GPUs, not indices
+    expected = [("trainer", 0), ("generator", 1)] if backend == "native" else [
+        ("trainer", 0), ("trainer", 1), ("generator", 0)]  # fmt: skip
+    assert [(p["role"], p["gpu"]) for p in processes] == expected
+    assert [p["uuid"] for p in processes] == [uuids[g] for _, g in expected]  # physical GPUs

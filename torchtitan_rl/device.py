@@ -32,21 +32,6 @@ def pick_device(kind: str, cpu_threads: int = 0, gpu: int | None = None) -> torc
     return torch.device("cuda", gpu)
 
 
-def see_gpus_in_order(order: tuple[int, ...]) -> None:
-    """Make this process see the host's GPUs in `order` (indices among the GPUs the job
-    sees): order[0] becomes cuda:0, and the others stay visible after it, so CUDA IPC from
-    another GPU still opens (SharedReader finds the trainer's GPU by UUID). vLLM puts its
-    engine on cuda:0 whatever device it is given: this is how a generator of either backend
-    lands on its GPU. Must run before CUDA starts in this process (importing torchtitan
-    starts it), so it runs as the Monarch process's bootstrap, and asks CUDA nothing (even
-    counting devices can start it and fix the order)."""
-    if torch.cuda.is_initialized():
-        raise RuntimeError("see_gpus_in_order: CUDA already started in this process")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(len(order))]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in order)
-
-
 def describe_device(device: torch.device) -> dict:
     """Where this process computes, for the log and the run summary: host, pid, and on a GPU
     its index, UUID and the peak memory torch has reserved on it so far."""

@@ -11,9 +11,10 @@ says where the generator replicas go:
 - "split": replica i on GPU trainer_procs + i; needs trainer_procs + replicas GPUs.
 - "shared": replica i on the trainer's GPU i % trainer_procs (one GPU does both jobs).
 - "auto": "split" when the GPUs suffice, else "shared".
-The indices are the host's CUDA device indices; every process sees every GPU (Monarch does
-not narrow CUDA_VISIBLE_DEVICES), so a generator can still open trainer rank 0's buffer
-over CUDA IPC when it runs on another GPU.
+The indices are the host's CUDA device indices as the controller sees them; every process
+inherits that view (Monarch does not narrow CUDA_VISIBLE_DEVICES) and takes its GPU by
+index, so a generator can still open trainer rank 0's buffer over CUDA IPC from another
+GPU. The vllm backend shares GPU 0 (see `plan`).
 """
 
 from __future__ import annotations
@@ -32,14 +33,6 @@ class Placement:
     generators: tuple[int, ...] = ()
     gpus: int = 0
     """GPUs on the host (the job's visible ones)."""
-
-    def generator_view(self, replica: int) -> tuple[int, ...]:
-        """The order replica `replica` sees the host's GPUs in: its own first, then the
-        rest (empty on CPU); see device.see_gpus_in_order."""
-        if not self.gpus:
-            return ()
-        own = self.generators[replica]
-        return (own, *(g for g in range(self.gpus) if g != own))
 
     @property
     def split(self) -> bool:
@@ -78,10 +71,10 @@ def place(*, gpus: int, trainer_procs: int, replicas: int, mode: PlacementMode) 
             f'visible; valid: fewer processes, or parallelism.placement = "shared" | "auto"'
         )
     if mode == "split" or (mode == "auto" and replicas <= free):
-        return Placement(
-            trainer=trainer, generators=tuple(trainer_procs + i for i in range(replicas))
-        )
-    return Placement(trainer=trainer, generators=tuple(i % trainer_procs for i in range(replicas)))
+        generators = tuple(trainer_procs + i for i in range(replicas))
+    else:
+        generators = tuple(i % trainer_procs for i in range(replicas))
+    return Placement(trainer=trainer, generators=generators, gpus=gpus)
 
 
 def plan(parallelism: ParallelismConfig, replicas: int, backend: str = "native") -> Placement:
