@@ -84,7 +84,8 @@ def _train(config, debug: bool) -> int:
     except Exception as e:
         return _fail(e, debug, 1, prefix="importing torchtitan_rl failed: ")
     try:
-        config.parallelism.check_gpus()
+        if config.launcher.kind in ("local", "process"):  # else the GPUs are on other hosts
+            config.parallelism.check_gpus()
         controller = Controller(config)
         done = controller.completed_step()
         if done >= controller.last_step():
