@@ -72,17 +72,27 @@ def build_job(launcher: LauncherConfig, parallelism: ParallelismConfig, replicas
         except RuntimeError as e:  # Monarch raises this when the client is missing
             raise ValueError(
                 'launcher.kind = "kubernetes" needs the kubernetes Python client: '
-                "pip install kubernetes"
+                "pip install kubernetes (or the project's kubernetes extra)"
             ) from e
         job = KubernetesJob(namespace=launcher.kubernetes_namespace, timeout=timeout)
-        spec = None
-        if launcher.kubernetes_image:
-            resources = {"nvidia.com/gpu": gpus} if gpus else None
-            spec = ImageSpec(launcher.kubernetes_image, resources=resources)
-        for name, hosts in meshes.items():
-            job.add_mesh(name, hosts, image_spec=spec)
+        for name, pods in kubernetes_meshes(launcher, gpus).items():
+            spec = ImageSpec(pods["image"], resources=pods["resources"]) if pods["image"] else None
+            job.add_mesh(name, pods["num_replicas"], image_spec=spec)
         return job
     raise AssertionError(f"no job for launcher.kind={launcher.kind!r}")
+
+
+def kubernetes_meshes(launcher: LauncherConfig, gpus: int | None) -> dict[str, dict]:
+    """What `KubernetesJob.add_mesh` gets per mesh: pods, and the image Monarch's operator
+    provisions them from ("" = attach to pods already running) with their GPU request, e.g.
+    {"trainer": {"num_replicas": 2, "image": "ghcr.io/me/rl:1", "resources":
+    {"nvidia.com/gpu": 4}}, "generator": {...}}."""
+    resources = {"nvidia.com/gpu": gpus} if gpus and launcher.kubernetes_image else None
+    hosts = {TRAINER: launcher.trainer_hosts, GENERATOR: launcher.generator_hosts}
+    return {
+        name: {"num_replicas": n, "image": launcher.kubernetes_image, "resources": resources}
+        for name, n in hosts.items()
+    }
 
 
 HOST_SILENCE = "{}s"
