@@ -216,3 +216,56 @@ def test_a_failure_line_names_the_host_of_the_dead_rank():
         "trainer failed during RL step 5 (rank 3 on host trainer_1): "
     )
     assert describe_failure(TRAINER_DIED, names, "x").startswith("trainer failed x (rank 3): ")
+
+
+class _Failure:
+    def __init__(self, text):
+        self.text = text
+
+    def report(self):
+        return self.text
+
+
+LOGGER_DIED = (
+    "The actor logger-tTVtQ3vHas1{'procs': 0/1} and all its descendants have failed:\n"
+    "  the process this actor was running on failed: Killed(sig=9)"
+)
+
+
+@pytest.mark.parametrize("reported", [True, False])
+def test_a_broken_weight_broadcast_is_named_by_the_death_that_broke_it(monkeypatch, reported):
+    """The trainer's broadcast fails at once when a generator dies; Monarch's report of the
+    death comes seconds later (its own logger actor's first): the line names the generator.
+    Without any report, the broadcast's own one-line error stands."""
+    import asyncio
+    import threading
+
+    from torchtitan_rl.controller import supervision
+    from torchtitan_rl.controller.supervision import ActorFailure, Supervisor
+    from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
+
+    monkeypatch.setattr(supervision, "PEER_REPORT_WAIT_S", 3.0)
+    sup = Supervisor(("trainer", "generator", "generator1"))
+    sup.hosts = {"generator1": ["generator_1"]}
+
+    async def broken_sync():
+        raise BroadcastBroken("the weight broadcast failed: Connection closed by peer")
+
+    async def scenario():
+        sup.install()
+        try:
+            sup.where = "during RL step 4"
+            if reported:
+                for delay, text in ((0.2, LOGGER_DIED), (0.6, HOST_DIED)):
+                    threading.Timer(delay, sup._on_failure, [_Failure(text)]).start()
+            await sup.watch(broken_sync())
+        finally:
+            sup.uninstall()
+
+    if reported:
+        with pytest.raises(ActorFailure, match=r"^generator1 failed during RL step 4 \(rank 0 on "
+                           r"host generator_1\): its host stopped answering"):  # fmt: skip
+            asyncio.run(scenario())
+    else:
+        with pytest.raises(BroadcastBroken, match="Connection closed by peer"):
+            asyncio.run(scenario())

@@ -33,8 +33,13 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ActorError
 
 from torchtitan_rl.actors.fault_log import fault_log_path
+from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
 
 T = TypeVar("T")
+
+PEER_REPORT_WAIT_S = 30.0
+"""After a collective broke (`BroadcastBroken`), how long to wait for Monarch's report of the
+process that died: ~10 s for a process, launcher.host_timeout_s + ~9 s for a whole host."""
 
 FAILURE_GRACE_S = 2.0
 """After a failure report, how long the awaited call gets to raise its own (more precise)
@@ -123,12 +128,28 @@ class Supervisor:
         if not self._loop.is_closed():  # a late report after the run ended needs no wake-up
             self._loop.call_soon_threadsafe(self._failed.set)
 
+    def _named_reports(self) -> list[str]:
+        return [r for r in self.reports if any(f"{n}{{" in r for n in self.names)]
+
     def failure(self) -> ActorFailure | None:
         """The recorded failure (the report naming a known actor first), if any."""
         if not self.reports:
             return None
-        named = [r for r in self.reports if any(f"{n}{{" in r for n in self.names)]
-        return self._failure((named or self.reports)[0])
+        return self._failure((self._named_reports() or self.reports)[0])
+
+    async def _wait_for_named_report(self, timeout: float) -> None:
+        """Until a report names one of `names` (Monarch's own per-process actors, e.g. its
+        logger, may report the same death first), or `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self._named_reports() and loop.time() < deadline:
+            self._failed.clear()  # set again by the next report
+            if self._named_reports():
+                break
+            try:
+                await asyncio.wait_for(self._failed.wait(), deadline - loop.time())
+            except TimeoutError:
+                break
 
     def _failure(self, report: str) -> ActorFailure:
         """The one line, plus the dead process's Python stacks file when it wrote one."""
@@ -160,6 +181,10 @@ class Supervisor:
                 await asyncio.wait({task}, timeout=FAILURE_GRACE_S)
             if task.done():
                 error = None if task.cancelled() else task.exception()
+                if isinstance(error, BroadcastBroken):
+                    await self._wait_for_named_report(PEER_REPORT_WAIT_S)
+                if isinstance(error, BroadcastBroken) and self.reports:
+                    raise self.failure() from error  # the death that broke it, named
                 if error is not None:
                     translated = self.translate(error)
                     if translated is error:

@@ -34,6 +34,12 @@ enough for a 32B model in bf16 (64 GB) at ~1 GB/s; a dead member ends the run so
 through the Supervisor."""
 
 
+class BroadcastBroken(RuntimeError):
+    """A weight broadcast failed on some member, most likely because another member's
+    process died (gloo: "Connection closed by peer"). The Supervisor waits a moment for
+    Monarch's report of which process it was, and says that instead."""
+
+
 @dataclass(kw_only=True, slots=True)
 class BroadcastGroup:
     """Where the group meets and what travels in it (a few KB: the layout), e.g.

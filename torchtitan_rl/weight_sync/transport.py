@@ -20,6 +20,11 @@ import logging
 import time
 from enum import StrEnum
 
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from monarch.actor import ActorError
+
+from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
+
 logger = logging.getLogger(__name__)
 
 
@@ -83,17 +88,28 @@ class WeightSync:
                 *(g.load_shared_weights.call_one(shared, i) for i, g in enumerate(self.generators))
             )
         elif self.transport is WeightTransport.BROADCAST:
-            sent, *received = await asyncio.gather(
-                self.trainer.broadcast_weights.call(),
-                *(g.receive_weights.call_one() for g in self.generators),
-            )
-            self.version = _rank0(sent)
-            assert received == [self.version] * len(received), (self.version, received)
+            self.version = await self._broadcast()
         else:
             packed = _rank0(await self.trainer.publish_weights.call(self.dtype))
             self.version = packed.version
             await asyncio.gather(*(g.load_weights.call_one(packed) for g in self.generators))
         return time.perf_counter() - t0
+
+
+    async def _broadcast(self) -> int:
+        try:
+            sent, *received = await asyncio.gather(
+                self.trainer.broadcast_weights.call(),
+                *(g.receive_weights.call_one() for g in self.generators),
+            )
+        except ActorError as e:
+            if isinstance(e.exception, SupervisionError):  # a death Monarch reported first
+                raise
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            raise BroadcastBroken(f"the weight broadcast failed: {lines[-1]}") from e
+        version = _rank0(sent)
+        assert received == [version] * len(received), (version, received)
+        return version
 
 
 def _rank0(values):
