@@ -95,7 +95,6 @@ class WeightSync:
             await asyncio.gather(*(g.load_weights.call_one(packed) for g in self.generators))
         return time.perf_counter() - t0
 
-
     async def _broadcast(self) -> int:
         try:
             sent, *received = await asyncio.gather(
