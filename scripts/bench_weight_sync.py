@@ -43,6 +43,9 @@ scripts/bench_weight_sync.py --hosts --dtype bfloat16 --repeats 3` (Qwen3-0.6B s
 | RDMABuffer read_into (tcp), transfer only            |    2957.7 |   0.40 |                 |    3458.5 |
 | floor: one copy at 27.8 GB/s (read + write)          |     85.90 |  13.88 |                 |           |
 
+fp32 (`--hosts --dtype float32 --repeats 3 --transports broadcast,rdma`, 2.38 GB): broadcast
+1999.6 ms (1.19 GB/s), RDMABuffer transfer 6695.1 ms, floor 172.2 ms; the controller row did
+not fit the VM's 24 GB at fp32 (stopped at 2.3 GB free).
 The tiny shape (`--hosts --flavor tiny --vocab 96 --dtype float32|bfloat16 --repeats 7`, 4.0 /
 2.0 MB) is latency-bound (Monarch round trips), and noisy on this VM (a run minutes earlier
 gave the broadcast 90-96 ms): fp32 broadcast 26.5 ms, controller 27.1, RDMABuffer transfer
@@ -82,6 +85,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--hosts", action="store_true",
         help="trainer and generator on two simulated hosts (ProcessJob), CPU; adds RDMABuffer",
+    )  # fmt: skip
+    p.add_argument(
+        "--transports", default="cuda_ipc,broadcast,controller,rdma",
+        help="rows to time (cuda_ipc only where it applies, rdma only with --hosts); "
+        "the controller row needs ~4 extra copies of the weights in memory",
     )  # fmt: skip
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON")
     p.add_argument("--flavor", default="0.6B")
@@ -192,9 +200,11 @@ async def run(args, device: str) -> dict:
         packed = [p for p in out.values() if p is not None][0]
         results = {"chosen_transport": str(transport), "weight_bytes": packed.nbytes}
         del out, packed
+        wanted = args.transports.split(",")
         transports = [WeightTransport.BROADCAST, WeightTransport.CONTROLLER]
         if transport is WeightTransport.CUDA_IPC:
             transports.insert(0, WeightTransport.CUDA_IPC)
+        transports = [t for t in transports if str(t) in wanted]
         for t in transports:
             sync = WeightSync(trainer, [generator], args.dtype, t)
             if t is WeightTransport.BROADCAST:
@@ -211,7 +221,7 @@ async def run(args, device: str) -> dict:
             print(f"{t}: {results[str(t)]}", flush=True)
         results["generator_version"] = await generator.policy_version.call_one()
         await generator.close.call_one()
-        if args.hosts:
+        if args.hosts and "rdma" in wanted:
             results["rdma"] = await time_rdma(trainer_procs, generator_procs, args, results)
         return results
     finally:
