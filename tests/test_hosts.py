@@ -269,3 +269,31 @@ def test_a_broken_weight_broadcast_is_named_by_the_death_that_broke_it(monkeypat
     else:
         with pytest.raises(BroadcastBroken, match="Connection closed by peer"):
             asyncio.run(scenario())
+
+
+class _UnreachableJob:
+    """A job whose hosts never come up (as SlurmJob where sbatch is missing)."""
+
+    killed = False
+
+    def state(self, cached_path):
+        raise FileNotFoundError("[Errno 2] No such file or directory: 'sbatch'")
+
+    def kill(self):
+        self.killed = True
+
+
+def test_hosts_that_do_not_come_up_are_one_line_naming_the_kind(monarch_settings):
+    import asyncio
+
+    from torchtitan_rl.controller.hosts import launch_job
+
+    cfg = load_config(TINY, ["--launcher.kind=slurm"])
+    job = _UnreachableJob()
+    with pytest.raises(RuntimeError) as e:
+        asyncio.run(launch_job(cfg, replicas=1, job=job))
+    assert str(e.value) == (
+        'launcher.kind = "slurm": the job\'s hosts did not come up: FileNotFoundError: '
+        "[Errno 2] No such file or directory: 'sbatch'"
+    )
+    assert job.killed

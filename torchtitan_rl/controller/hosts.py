@@ -118,7 +118,14 @@ async def launch_job(config: Config, replicas: int, job=None) -> Meshes:
     launcher, parallelism = config.launcher, config.parallelism
     job = job if job is not None else build_job(launcher, parallelism, replicas)
     watch_hosts(launcher)
-    state = job.state(cached_path=None)
+    try:
+        state = job.state(cached_path=None)  # submits or starts the hosts; no cache file
+    except Exception as e:  # e.g. no sbatch here, a rejected allocation, no cluster access
+        _kill(job)
+        raise RuntimeError(
+            f'launcher.kind = "{launcher.kind}": the job\'s hosts did not come up: '
+            f"{type(e).__name__}: {e}"
+        ) from e
     kind = _proc_kind(parallelism)
     per_host = parallelism.trainer_procs // launcher.trainer_hosts
     try:
@@ -132,7 +139,7 @@ async def launch_job(config: Config, replicas: int, job=None) -> Meshes:
         ]
         await setup_torch_elastic_env_async(trainer)  # one world over every trainer host
     except BaseException:
-        job.kill()
+        _kill(job)
         raise
     hosts = {TRAINER: [f"{TRAINER}_{r // per_host}" for r in range(parallelism.trainer_procs)]}
     for i in range(replicas):
@@ -160,7 +167,12 @@ async def stop_all(meshes: Meshes | None) -> None:
         return
     await stop_meshes(meshes.all())
     if meshes.job is not None:
-        try:
-            meshes.job.kill()
-        except Exception as e:  # a host already gone: nothing else to stop there
-            logger.warning("killing the job's hosts: %s", e)
+        _kill(meshes.job)
+
+
+def _kill(job) -> None:
+    """End the job's hosts and whatever runs on them; a failure to is logged, not raised."""
+    try:
+        job.kill()
+    except Exception as e:  # e.g. a host already gone, or a scheduler that cannot be reached
+        logger.warning("killing the job's hosts: %s", e)
