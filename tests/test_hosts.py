@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan_rl.config import ConfigError, help_text, load_config
+from torchtitan_rl.config.launcher import LauncherConfig
 from torchtitan_rl.controller.hosts import build_job, gpus_per_host, kubernetes_meshes, watch_hosts
 from torchtitan_rl.controller.supervision import describe_failure
 
@@ -137,25 +138,33 @@ def test_gpus_per_host_is_the_busier_role_on_gpus_and_none_on_cpu():
     assert gpus_per_host(launcher, parallelism, 3) is None
 
 
-def test_kubernetes_keys_reach_the_meshes_the_job_adds():
-    cfg = load_config(
-        TINY,
-        [
-            "--launcher.kind=kubernetes",
-            "--launcher.kubernetes_namespace=rl",
-            "--launcher.kubernetes_image=ghcr.io/me/rl:1",
-            "--launcher.trainer_hosts=2",
-        ],
+def test_kubernetes_without_its_client_is_one_line(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "kubernetes" else real(name)
     )
-    meshes = kubernetes_meshes(cfg.launcher, gpus=1)
+    with pytest.raises(ConfigError, match=r"needs the kubernetes Python client, which is not"):
+        load_config(TINY, ["--launcher.kind=kubernetes", "--launcher.kubernetes_namespace=rl"])
+
+
+def test_kubernetes_keys_reach_the_meshes_the_job_adds():
+    launcher = LauncherConfig(
+        kind="kubernetes",
+        kubernetes_namespace="rl",
+        kubernetes_image="ghcr.io/me/rl:1",
+        trainer_hosts=2,
+    )
+    meshes = kubernetes_meshes(launcher, gpus=1)
     assert meshes == {
         "trainer": {"num_replicas": 2, "image": "ghcr.io/me/rl:1",
                     "resources": {"nvidia.com/gpu": 1}},
         "generator": {"num_replicas": 1, "image": "ghcr.io/me/rl:1",
                       "resources": {"nvidia.com/gpu": 1}},
     }  # fmt: skip
-    cfg.launcher.kubernetes_image = ""  # attach to running pods: nothing to provision
-    assert kubernetes_meshes(cfg.launcher, gpus=1)["trainer"]["resources"] is None
+    launcher.kubernetes_image = ""  # attach to running pods: nothing to provision
+    assert kubernetes_meshes(launcher, gpus=1)["trainer"]["resources"] is None
 
 
 def test_kubernetes_kind_builds_a_kubernetes_job(monarch_settings):

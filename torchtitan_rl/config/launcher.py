@@ -15,6 +15,7 @@ trainer_hosts processes (one GPU each with CUDA) on each of its hosts; generator
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -99,6 +100,11 @@ class LauncherConfig:
             raise ValueError(
                 'launcher.kind = "kubernetes" needs launcher.kubernetes_namespace: a lowercase '
                 f"name of letters, digits and '-', got {self.kubernetes_namespace!r}"
+            )
+        if self.kind == "kubernetes" and importlib.util.find_spec("kubernetes") is None:
+            raise ValueError(
+                'launcher.kind = "kubernetes" needs the kubernetes Python client, which is not '
+                "installed: pip install -e '.[kubernetes]'"
             )
 
 

@@ -67,13 +67,9 @@ def build_job(launcher: LauncherConfig, parallelism: ParallelismConfig, replicas
             job_start_timeout=timeout,
         )
     if launcher.kind == "kubernetes":
-        try:
-            from monarch._src.job.kubernetes import ImageSpec, KubernetesJob
-        except RuntimeError as e:  # Monarch raises this when the client is missing
-            raise ValueError(
-                'launcher.kind = "kubernetes" needs the kubernetes Python client: '
-                "pip install kubernetes (or the project's kubernetes extra)"
-            ) from e
+        # needs the kubernetes client (checked with the config: LauncherConfig.validate)
+        from monarch._src.job.kubernetes import ImageSpec, KubernetesJob
+
         job = KubernetesJob(namespace=launcher.kubernetes_namespace, timeout=timeout)
         for name, pods in kubernetes_meshes(launcher, gpus).items():
             spec = ImageSpec(pods["image"], resources=pods["resources"]) if pods["image"] else None
