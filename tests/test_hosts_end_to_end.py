@@ -2,7 +2,8 @@
 across them, one process each) and the generator on a third, 3 RL steps. After every sync the
 generator computes with the trainer's weights bit for bit, the weights never pass through the
 controller (a broadcast group), every number of every step equals the same job on one host,
-and closing leaves no host process running."""
+and closing leaves no host process running. Replicas spread over two generator hosts each
+get the broadcast."""
 
 import asyncio
 from pathlib import Path
@@ -121,3 +122,42 @@ def test_every_step_number_equals_the_same_job_on_one_host(runs):
         assert keys == sorted(k for k in several if not _is_timing(k))
         assert "loss/mean" in keys and "trainer/grad_norm" in keys
         assert {k: one[k] for k in keys} == {k: several[k] for k in keys}
+
+
+@pytest.mark.slow
+def test_replicas_spread_over_generator_hosts_and_each_gets_the_broadcast(tmp_path):
+    config = _config(
+        tmp_path, "spread", "--launcher.kind=process", "--launcher.generator_hosts=2",
+        "--generator.num_replicas=2", "--parallelism.trainer_procs=1", "--training.steps=1",
+        "--generator.max_num_seqs=4",
+    )  # fmt: skip
+
+    async def scenario():
+        controller = Controller(config, use_tqdm=False)
+        try:
+            await controller.start()
+            await controller.rl_step(1)
+            out = await controller.trainer.full_weights.call("float32")
+            trainer = [w for w in out.values() if w is not None][0]
+            replicas = [await g.weights.call_one() for g in controller.generators]
+            return dict(
+                hosts=dict(controller.meshes.hosts),
+                transport=controller.weight_sync.transport,
+                routed=list(controller.router.routed),
+                differ=[
+                    [k for k in trainer if not torch.equal(trainer[k], w[k])] for w in replicas
+                ],
+                versions=[await g.policy_version.call_one() for g in controller.generators],
+            )
+        finally:
+            await controller.close()
+
+    r = asyncio.run(scenario())
+    assert r["hosts"] == {
+        "trainer": ["trainer_0"],
+        "generator": ["generator_0"],
+        "generator1": ["generator_1"],
+    }
+    assert r["transport"] is WeightTransport.BROADCAST
+    assert r["differ"] == [[], []] and r["versions"] == [1, 1]
+    assert min(r["routed"]) > 0, "the router used the replicas on both hosts"
