@@ -61,7 +61,6 @@ def test_a_dead_generator_host_ends_the_run_with_one_line_naming_it(tmp_path):
             await controller.close()
 
     message, seconds = asyncio.run(scenario())
-    print(f"FAILURE after {seconds:.1f} s: {message}")
     assert message.startswith("generator failed during RL step ") and "\n" not in message
     assert "(rank 0 on host generator_0): its host stopped answering" in message, message
     assert seconds < 30, f"noticed {seconds:.0f} s after the kill"
