@@ -1,8 +1,11 @@
 """Seconds per weight sync, trainer -> generator in separate Monarch processes: CUDA IPC vs
-the packed buffer through the controller vs the device copy floor.
+the gloo broadcast group vs the packed buffer through the controller vs the copy floor; with
+--hosts, on two simulated hosts (ProcessJob), plus Monarch's RDMABuffer (TCP fallback).
 
     python scripts/bench_weight_sync.py            # GPU: Qwen3-0.6B shape (vocab 151936, tied), bf16
-    python scripts/bench_weight_sync.py --smoke    # tiny model on CPU (controller path only), seconds
+    python scripts/bench_weight_sync.py --smoke    # tiny model on CPU, seconds
+    python scripts/bench_weight_sync.py --hosts --dtype bfloat16   # CPU, trainer and generator
+                                                   # on two hosts of a ProcessJob, 0.6B shape
 
 One trainer process (TrainerActor: FSDP on one rank, fp32 master weights, as in a run) and one
 generator process (GeneratorActor with a small engine), both on the same GPU. A sync is what
@@ -15,6 +18,9 @@ transfer of the buffer to the controller).
 
 The floor: a sync must at least read the weights once and write them once; that is the
 time of one device-to-device copy of the buffer, measured here (on CPU: one memory copy).
+The RDMABuffer row (--hosts) times the transfer alone: a buffer of the same bytes, registered
+on the trainer's host and pulled by the generator's host with `read_into` (no packing, no
+engine apply), so it is a lower bound for a sync built on it.
 Writes `bench_weight_sync.json` to --out (default: $OUT, else the current directory).
 
 Measured 2026-11-21, one NVIDIA H200, torch 2.11.0+cu130, `python scripts/bench_weight_sync.py`
@@ -25,6 +31,25 @@ Measured 2026-11-21, one NVIDIA H200, torch 2.11.0+cu130, `python scripts/bench_
 | ours: CUDA IPC handle, device-to-device copy   |      10.8 |             6.5 |      58.8 |
 | packed CPU buffer through the controller       |    5253.2 |          1635.9 |    5187.0 |
 | floor: one copy at 4,195 GB/s (read + write)   |      0.57 |                 |           |
+
+Measured 2026-11-26 on the 2-core VM (x86_64 CPU, torch 2.13.0+cpu), trainer on host
+trainer_0 and generator on host generator_0 of a ProcessJob, `python
+scripts/bench_weight_sync.py --hosts --dtype bfloat16 --repeats 3` (Qwen3-0.6B shape, 1.19 GB):
+
+| transport                                            |   sync ms |   GB/s | trainer side ms |   cold ms |
+|------------------------------------------------------|-----------|--------|-----------------|-----------|
+| ours: gloo broadcast, trainer rank 0 -> generators   |     989.0 |   1.21 |                 |    1434.2 |
+| packed CPU buffer through the controller             |    9608.5 |   0.12 |          2855.1 |    9897.2 |
+| RDMABuffer read_into (tcp), transfer only            |    2957.7 |   0.40 |                 |    3458.5 |
+| floor: one copy at 27.8 GB/s (read + write)          |     85.90 |  13.88 |                 |           |
+
+fp32 (`--hosts --dtype float32 --repeats 3 --transports broadcast,rdma`, 2.38 GB): broadcast
+1999.6 ms (1.19 GB/s), RDMABuffer transfer 6695.1 ms, floor 172.2 ms; the controller row did
+not fit the VM's 24 GB at fp32 (stopped at 2.3 GB free).
+The tiny shape (`--hosts --flavor tiny --vocab 96 --dtype float32|bfloat16 --repeats 7`, 4.0 /
+2.0 MB) is latency-bound (Monarch round trips), and noisy on this VM (a run minutes earlier
+gave the broadcast 90-96 ms): fp32 broadcast 26.5 ms, controller 27.1, RDMABuffer transfer
+14.4, floor 0.17; bf16 broadcast 13.3 ms, controller 26.3, RDMABuffer 7.5, floor 0.07.
 """
 
 from __future__ import annotations
@@ -39,7 +64,7 @@ import time
 from pathlib import Path
 
 import torch
-from monarch.actor import this_host
+from monarch.actor import Actor, endpoint, this_host
 from monarch.spmd import setup_torch_elastic_env_async
 
 from torchtitan_rl.actors.generator import GeneratorActor
@@ -57,6 +82,15 @@ QWEN3_VOCAB = 151936
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU")
+    p.add_argument(
+        "--hosts", action="store_true",
+        help="trainer and generator on two simulated hosts (ProcessJob), CPU; adds RDMABuffer",
+    )  # fmt: skip
+    p.add_argument(
+        "--transports", default="cuda_ipc,broadcast,controller,rdma",
+        help="rows to time (cuda_ipc only where it applies, rdma only with --hosts); "
+        "the controller row needs ~4 extra copies of the weights in memory",
+    )  # fmt: skip
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON")
     p.add_argument("--flavor", default="0.6B")
     p.add_argument("--vocab", type=int, default=QWEN3_VOCAB)
@@ -68,7 +102,8 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     args = p.parse_args()
     if args.smoke:
-        args.flavor, args.vocab, args.dtype, args.repeats = "tiny", 96, "float32", 2
+        args.flavor, args.vocab, args.repeats = "tiny", 96, 2
+        args.dtype = "float32" if args.dtype == "bfloat16" else args.dtype
     return args
 
 
@@ -106,10 +141,48 @@ async def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-async def run(args, device: str) -> dict:
+class RdmaSource(Actor):
+    """A buffer of `nbytes` registered for RDMA on the trainer's host."""
+
+    def __init__(self, nbytes: int):
+        self.buf = torch.ones(nbytes, dtype=torch.uint8)
+
+    @endpoint
+    async def handle(self):
+        from monarch.rdma import RDMABuffer
+
+        return RDMABuffer(self.buf)
+
+
+class RdmaSink(Actor):
+    """Pulls the source's buffer into one of its own (the generator's host)."""
+
+    def __init__(self, nbytes: int):
+        self.buf = torch.empty(nbytes, dtype=torch.uint8)
+
+    @endpoint
+    async def read(self, handle) -> int:
+        await handle.read_into(self.buf)
+        return int(self.buf[-1])
+
+
+async def spawn_procs(args, device: str):
+    """(trainer procs, generator procs, job): on this host, or with --hosts on the hosts
+    "trainer_0" and "generator_0" of a ProcessJob (each a local subprocess)."""
     kind = "gpus" if device == "cuda" else "procs"
-    trainer_procs = this_host().spawn_procs(per_host={kind: 1})
-    generator_procs = this_host().spawn_procs(per_host={kind: 1})
+    if not args.hosts:
+        host = this_host()
+        return host.spawn_procs(per_host={kind: 1}), host.spawn_procs(per_host={kind: 1}), None
+    from monarch._src.job.process import ProcessJob
+
+    job = ProcessJob({"trainer": 1, "generator": 1})
+    state = job.state(cached_path=None)
+    trainer = state.trainer.spawn_procs(per_host={kind: 1})
+    return trainer, state.generator.spawn_procs(per_host={kind: 1}), job
+
+
+async def run(args, device: str) -> dict:
+    trainer_procs, generator_procs, job = await spawn_procs(args, device)
     try:
         await setup_torch_elastic_env_async(trainer_procs)
         model = ModelConfig(flavor=args.flavor, max_seq_len=256)
@@ -134,34 +207,58 @@ async def run(args, device: str) -> dict:
         packed = [p for p in out.values() if p is not None][0]
         results = {"chosen_transport": str(transport), "weight_bytes": packed.nbytes}
         del out, packed
-        transports = [WeightTransport.CONTROLLER]
+        wanted = args.transports.split(",")
+        transports = [WeightTransport.BROADCAST, WeightTransport.CONTROLLER]
         if transport is WeightTransport.CUDA_IPC:
             transports.insert(0, WeightTransport.CUDA_IPC)
+        transports = [t for t in transports if str(t) in wanted]
         for t in transports:
             sync = WeightSync(trainer, [generator], args.dtype, t)
+            if t is WeightTransport.BROADCAST:
+                await sync.open_broadcast()
             results[str(t)] = await time_calls(sync, args.repeats)
+            side = None
             if t is WeightTransport.CUDA_IPC:
                 side = lambda: trainer.share_weights.call(args.dtype, 1)  # noqa: E731
-            else:
+            elif t is WeightTransport.CONTROLLER:
                 side = lambda: trainer.publish_weights.call(args.dtype)  # noqa: E731
-            results[str(t)]["trainer_side_median_s"] = (await time_calls(side, args.repeats))[
-                "median_s"
-            ]
+            if side is not None:
+                side_s = (await time_calls(side, args.repeats))["median_s"]
+                results[str(t)]["trainer_side_median_s"] = side_s
             print(f"{t}: {results[str(t)]}", flush=True)
         results["generator_version"] = await generator.policy_version.call_one()
         await generator.close.call_one()
+        if args.hosts and "rdma" in wanted:
+            results["rdma"] = await time_rdma(trainer_procs, generator_procs, args, results)
         return results
     finally:
         await asyncio.gather(trainer_procs.stop(), generator_procs.stop())
+        if job is not None:
+            job.kill()
+
+
+async def time_rdma(trainer_procs, generator_procs, args, results) -> dict:
+    """The RDMABuffer row: the same bytes pulled across hosts, transfer only."""
+    from monarch.rdma import get_rdma_backend
+
+    nbytes = results["weight_bytes"]
+    source = trainer_procs.spawn("rdma_source", RdmaSource, nbytes)
+    sink = generator_procs.spawn("rdma_sink", RdmaSink, nbytes)
+    handle = await source.handle.call_one()
+    timing = await time_calls(lambda: sink.read.call_one(handle), args.repeats)
+    timing["backend"] = get_rdma_backend()
+    print(f"rdma: {timing}", flush=True)
+    return timing
 
 
 def main() -> None:
     args = parse_args()
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    device = "cuda" if torch.cuda.is_available() and not (args.smoke or args.hosts) else "cpu"
     results = {
         "machine": torch.cuda.get_device_name() if device == "cuda" else platform.machine(),
         "torch": torch.__version__,
         "shape": f"Qwen3 {args.flavor}, vocab {args.vocab}",
+        "hosts": "2 simulated hosts (ProcessJob)" if args.hosts else "one host",
         "dtype": args.dtype,
         "repeats": args.repeats,
     }
@@ -180,26 +277,36 @@ def main() -> None:
 
 def print_table(results: dict) -> None:
     names = {
-        "cuda_ipc": "ours: CUDA IPC handle, device-to-device copy",
+        "cuda_ipc": "ours (same host): CUDA IPC handle, device copy",
+        "broadcast": "ours: gloo broadcast, trainer rank 0 -> generators",
         "controller": "packed CPU buffer through the controller",
+        "rdma": f"RDMABuffer read_into ({results.get('rdma', {}).get('backend')}), transfer only",
     }
     print(
         f"\n{results['shape']}, {results['dtype']}, {results['weight_bytes'] / 1e6:,.1f} MB, "
-        f"{results['machine']}, median of {results['repeats']}"
+        f"{results['hosts']}, {results['machine']}, median of {results['repeats']}"
     )
-    print(f"| {'transport':<46} | {'sync ms':>9} | {'trainer side ms':>15} | {'cold ms':>9} |")
-    print(f"|{'-' * 48}|{'-' * 11}|{'-' * 17}|{'-' * 11}|")
+    print(
+        f"| {'transport':<52} | {'sync ms':>9} | {'GB/s':>6} | {'trainer side ms':>15} | {'cold ms':>9} |"
+    )
+    print(f"|{'-' * 54}|{'-' * 11}|{'-' * 8}|{'-' * 17}|{'-' * 11}|")
+    gb = results["weight_bytes"] / 1e9
     for key, name in names.items():
         if key in results:
             r = results[key]
+            side = r.get("trainer_side_median_s")
+            side_text = f"{side * 1e3:>15.1f}" if side is not None else f"{'':>15}"
             print(
-                f"| {name:<46} | {r['median_s'] * 1e3:>9.1f} | "
-                f"{r['trainer_side_median_s'] * 1e3:>15.1f} | {r['cold_s'] * 1e3:>9.1f} |"
+                f"| {name:<52} | {r['median_s'] * 1e3:>9.1f} | {gb / r['median_s']:>6.2f} | "
+                f"{side_text} | {r['cold_s'] * 1e3:>9.1f} |"
             )
     f = results["floor"]
     how = "GPU 0 -> 1" if results.get("generator_gpu") else "read + write"
-    floor_name = f"floor: one copy at {f['copy_GBps']:,.0f} GB/s ({how})"
-    print(f"| {floor_name:<46} | {f['median_s'] * 1e3:>9.2f} | {'':>15} | {'':>9} |")
+    floor_name = f"floor: one copy at {f['copy_GBps']:,.1f} GB/s ({how})"
+    print(
+        f"| {floor_name:<52} | {f['median_s'] * 1e3:>9.2f} | {gb / f['median_s']:>6.2f} | "
+        f"{'':>15} | {'':>9} |"
+    )
 
 
 if __name__ == "__main__":

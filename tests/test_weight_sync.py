@@ -288,6 +288,8 @@ class FakeTrainer:
         self.publish_weights = _Endpoint(
             lambda dtype: [pack_weights({"w": torch.ones(2)}, self.version), None]
         )
+        self.open_broadcast = _Endpoint(lambda dtype, receivers: ["group", None])
+        self.broadcast_weights = _Endpoint(lambda: [self.version, None])
 
     def _share(self, dtype, receivers):
         handles = [{"storage_handle": b"h", "receiver": i} for i in range(receivers)]
@@ -295,6 +297,20 @@ class FakeTrainer:
             SharedWeights(version=self.version, layout=[], device_uuid="gpu-0", handles=handles),
             None,
         ]
+
+
+def test_a_broadcast_group_that_cannot_open_falls_back_to_the_controller():
+    trainer = FakeTrainer(None)
+
+    async def refuse(dtype, receivers):
+        raise OSError("no free port")
+
+    trainer.open_broadcast.call = refuse
+    gens = [FakeGenerator([])]
+    sync = asyncio.run(WeightSync.create(trainer, gens, "float32"))
+    assert sync.transport is WeightTransport.CONTROLLER
+    asyncio.run(sync())
+    assert gens[0].loaded == [("packed", 3)]
 
 
 class FakeGenerator:
@@ -305,6 +321,8 @@ class FakeGenerator:
             lambda shared, i: self.loaded.append(("ipc", shared.handles[i]["receiver"]))
         )
         self.load_weights = _Endpoint(lambda packed: self.loaded.append(("packed", packed.version)))
+        self.join_broadcast = _Endpoint(lambda group, rank: self.loaded.append((group, rank)))
+        self.receive_weights = _Endpoint(lambda: self.loaded.append(("broadcast", 3)) or 3)
 
 
 def test_cuda_ipc_only_when_every_generator_sees_the_trainer_gpu():
@@ -313,18 +331,24 @@ def test_cuda_ipc_only_when_every_generator_sees_the_trainer_gpu():
         return asyncio.run(choose_transport(FakeTrainer(trainer_uuid), gens))
 
     assert choose("gpu-0", ["gpu-0"], ["gpu-1", "gpu-0"]) is WeightTransport.CUDA_IPC
-    assert choose("gpu-0", ["gpu-0"], ["gpu-1"]) is WeightTransport.CONTROLLER  # other host
-    assert choose(None, []) is WeightTransport.CONTROLLER  # CPU
+    assert choose("gpu-0", ["gpu-0"], ["gpu-1"]) is WeightTransport.BROADCAST  # other host
+    assert choose(None, []) is WeightTransport.BROADCAST  # CPU
 
 
 @pytest.mark.parametrize("transport", list(WeightTransport))
 def test_every_replica_gets_the_weights_and_its_own_handle(transport):
     gens = [FakeGenerator(["gpu-0"]) for _ in range(3)]
     sync = WeightSync(FakeTrainer("gpu-0"), gens, "bfloat16", transport)
+    if transport is WeightTransport.BROADCAST:
+        asyncio.run(sync.open_broadcast())
     asyncio.run(sync())
     asyncio.run(sync())
     if transport is WeightTransport.CUDA_IPC:
         assert [g.loaded for g in gens] == [[("ipc", i)] * 2 for i in range(3)]
+    elif transport is WeightTransport.BROADCAST:  # member i + 1 of the group, then 2 syncs
+        assert [g.loaded for g in gens] == [
+            [("group", i + 1)] + [("broadcast", 3)] * 2 for i in range(3)
+        ]
     else:
         assert [g.loaded for g in gens] == [[("packed", 3)] * 2] * 3
 
@@ -385,3 +409,36 @@ def test_generators_hold_the_trainer_weights_bit_for_bit_after_a_cuda_ipc_sync(
         for name, t in r["trainer"].items():
             assert weights[name].dtype == t.dtype == torch.bfloat16
             assert torch.equal(weights[name], t), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_broadcast_delivers_the_version_and_the_buffer_bit_for_bit(dtype):
+    """The sender and two receivers in one process (threads): each receiver gets the
+    sender's buffer in its own memory, version included, twice over one group."""
+    import threading
+
+    from torchtitan_rl.weight_sync.broadcast import BroadcastReceiver, BroadcastSender
+
+    state = {"w": torch.randn(300, 7), "b": torch.randn(11)}
+    layout, numel = make_layout(state)
+    sender = BroadcastSender(layout, numel, dtype, receivers=2)
+    receivers = [BroadcastReceiver(sender.group, rank) for rank in (1, 2)]
+    for version in (4, 5):
+        gather_into(state, sender.flat_P)
+        got = [None, None]
+
+        def receive(i, got=got):
+            got[i] = receivers[i].receive_blocking()
+
+        threads = [threading.Thread(target=receive, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        sender.send(version)
+        for t in threads:
+            t.join(timeout=60)
+        for packed in got:
+            assert packed.version == version and packed.layout == layout
+            assert packed.flat_P.data_ptr() != sender.flat_P.data_ptr()
+            back = unpack_weights(packed)
+            assert all(torch.equal(back[k], v.to(dtype)) for k, v in state.items())
+        state = {k: v + 1 for k, v in state.items()}

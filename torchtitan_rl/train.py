@@ -84,9 +84,10 @@ def _train(config, debug: bool) -> int:
     except Exception as e:
         return _fail(e, debug, 1, prefix="importing torchtitan_rl failed: ")
     try:
-        from torchtitan_rl.controller.placement import plan
+        if config.launcher.kind in ("local", "process"):  # else the GPUs are on other hosts
+            from torchtitan_rl.controller.placement import plan
 
-        plan(config.parallelism, config.generator.num_replicas, config.generator.backend)
+            plan(config.parallelism, config.generator.num_replicas, config.generator.backend)
         controller = Controller(config)
         done = controller.completed_step()
         if done >= controller.last_step():

@@ -16,6 +16,7 @@ from torchtitan_rl.generation.engine import Engine
 from torchtitan_rl.generation.interface import EngineConfig, GenerationEngine, error_completion
 from torchtitan_rl.models.qwen3 import ModelConfig, build_model, model_args
 from torchtitan_rl.types import Completion, SamplingParams
+from torchtitan_rl.weight_sync.broadcast import BroadcastGroup, BroadcastReceiver
 from torchtitan_rl.weight_sync.packing import (
     PackedWeights,
     SharedReader,
@@ -63,6 +64,8 @@ class GeneratorActor(Actor):
         dev = self.device = pick_device(device, cpu_threads, gpu)
         self.engine = build_engine(model, engine, vocab_size, dev, hf_folder)
         self.shared_reader = SharedReader(dev)
+        self.receiver: BroadcastReceiver | None = None
+        """This generator's side of the trainer's weight broadcast group (`join_broadcast`)."""
 
     @concurrent_endpoint
     async def generate(
@@ -109,6 +112,20 @@ class GeneratorActor(Actor):
         copy has finished: from then on the trainer may overwrite its buffer."""
         self._on_device()
         packed = self.shared_reader.read(shared, receiver)
+        self.engine.load_weights(unpack_weights(packed), packed.version)
+        return packed.version
+
+    @concurrent_endpoint
+    async def join_broadcast(self, group: BroadcastGroup, rank: int) -> None:
+        """Become member `rank` of the trainer's weight group (formed at the first receive)."""
+        self.receiver = BroadcastReceiver(group, rank)
+
+    @concurrent_endpoint
+    async def receive_weights(self) -> int:
+        """Wait for the trainer's next broadcast into a buffer of this process's own, then
+        queue it like `load_weights`. Returns the version received."""
+        assert self.receiver is not None, "join_broadcast first"
+        packed = await self.receiver.receive()
         self.engine.load_weights(unpack_weights(packed), packed.version)
         return packed.version
 

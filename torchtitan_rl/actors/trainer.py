@@ -17,6 +17,7 @@ from torchtitan_rl.training.checkpoint import load_trainer_state, save_trainer_s
 from torchtitan_rl.training.trainer import TrainerCore
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
 from torchtitan_rl.types import Microbatch
+from torchtitan_rl.weight_sync.broadcast import BroadcastGroup, BroadcastSender
 from torchtitan_rl.weight_sync.packing import (
     PackedWeights,
     SharedBuffer,
@@ -67,6 +68,8 @@ class TrainerActor(Actor):
         self.sft_optimizer = None
         self.shared: SharedBuffer | None = None
         """Rank 0's GPU buffer for same-host weight syncs, made by the first `share_weights`."""
+        self.sender: BroadcastSender | None = None
+        """Rank 0's side of the weight broadcast group, made by `open_broadcast`."""
 
     @endpoint
     async def train_step(
@@ -130,6 +133,30 @@ class TrainerActor(Actor):
             self.shared = SharedBuffer(layout, numel, DTYPES[dtype], self.core.device)
         gather_into(state, self.shared.flat_P)
         return self.shared.publish(self.core.policy_version, receivers)
+
+    @endpoint
+    async def open_broadcast(self, dtype: str, receivers: int) -> BroadcastGroup | None:
+        """Rank 0 opens a broadcast group for itself and `receivers` generators (any hosts)
+        and returns where it meets; the weights travel in `dtype`. Other ranks: None."""
+        if self.rank != 0:
+            return None
+        layout, numel = make_layout(sharded_state(self.core.model))
+        self.sender = BroadcastSender(layout, numel, DTYPES[dtype], receivers)
+        return self.sender.group
+
+    @endpoint
+    async def broadcast_weights(self) -> int | None:
+        """Every rank gathers; rank 0 packs the full weights into its buffer and broadcasts
+        them to every generator of the group (which must be receiving meanwhile); returns
+        the version sent. Same values as `publish_weights`."""
+        state = sharded_state(self.core.model)
+        if self.rank != 0:
+            gather_into(state, None)
+            return None
+        assert self.sender is not None, "open_broadcast first"
+        gather_into(state, self.sender.flat_P)
+        self.sender.send(self.core.policy_version)
+        return self.core.policy_version
 
     @endpoint
     async def save_checkpoint(self, folder: str) -> None:

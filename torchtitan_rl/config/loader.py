@@ -25,6 +25,7 @@ from torchtitan_rl.config.job import (
     ParallelismConfig,
     ValidationConfig,
 )
+from torchtitan_rl.config.launcher import LauncherConfig, check_hosts
 from torchtitan_rl.envs import resolve_environment
 from torchtitan_rl.envs.base import EnvConfig
 from torchtitan_rl.generation.interface import CPU_BLOCK_MULTIPLE, EngineConfig
@@ -46,6 +47,7 @@ class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     generator: EngineConfig = field(default_factory=EngineConfig)
@@ -86,6 +88,13 @@ class Config:
                 f"one step already moves the policy {minibatches} versions, so no batch could "
                 f"run ahead; use rollout.max_staleness = 0 or >= {minibatches}"
             )
+        try:
+            check_hosts(
+                self.launcher, trainer_procs=self.parallelism.trainer_procs,
+                tp=self.parallelism.tp, replicas=self.generator.num_replicas,
+            )  # fmt: skip
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         self._check_generator_backend()
         self.env_args()  # the environment exists and its settings are valid
         if self.warm_start.steps > 0 and not self.environment_class().has_demonstrations():

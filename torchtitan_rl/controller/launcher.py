@@ -72,12 +72,17 @@ STOP_TIMEOUT_S = 10.0
 @dataclass(kw_only=True, slots=True)
 class Meshes:
     """The proc meshes of one run: `trainer` (torch.distributed inside), `generators` (one
-    per replica, in replica order)."""
+    per replica, in replica order). With several hosts (controller/hosts.py): the Monarch
+    `job` that holds them (killed at the end, so nothing stays running) and `hosts`, the
+    host of every rank by actor name, e.g. {"trainer": ["trainer_0", "trainer_1"],
+    "generator": ["generator_0"]}."""
 
     trainer: object
     generators: list = field(default_factory=list)
     placement: Placement = field(default_factory=Placement)
     """The GPU of each trainer rank and generator replica (empty on CPU)."""
+    job: object | None = None
+    hosts: dict[str, list[str]] = field(default_factory=dict)
 
     def all(self) -> list:
         return [self.trainer, *self.generators]

@@ -23,13 +23,12 @@ from torchtitan_rl.controller import resume
 from torchtitan_rl.controller.ahead import RolloutPipeline
 from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
 from torchtitan_rl.controller.diagnostics import StepDiagnostics
+from torchtitan_rl.controller.hosts import launch, stop_all
 from torchtitan_rl.controller.launcher import (
     ActorGenerateFn,
     Meshes,
-    launch_local,
     spawn_generators,
     spawn_trainer,
-    stop_meshes,
 )
 from torchtitan_rl.controller.metrics import MetricsLogger, validation_metrics
 from torchtitan_rl.controller.processes import ask_processes, record_processes
@@ -159,7 +158,8 @@ class Controller:
                 logger.warning("  changed since that checkpoint: %s", change)
         self.supervisor.install()
         replicas = cfg.generator.num_replicas
-        self.meshes = await launch_local(cfg.parallelism, replicas, cfg.generator.backend)
+        self.meshes = await launch(cfg, replicas)
+        self.supervisor.hosts = self.meshes.hosts
         vocab, log_dir = self.tokenizer.vocab_size, str(self.log_dir)
         gpus = self.meshes.placement
         self.trainer = spawn_trainer(
@@ -204,7 +204,7 @@ class Controller:
                 await asyncio.wait_for(generator.close.call_one(), timeout=10)
             except Exception as e:
                 logger.info("generator close: %s", e)
-        await stop_meshes(self.meshes.all() if self.meshes else [])
+        await stop_all(self.meshes)  # with several hosts, the job's hosts too
         self.supervisor.uninstall()  # after the stops: a dying mesh still reports to it
         if self.metrics is not None:
             self.metrics.close()

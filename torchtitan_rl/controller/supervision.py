@@ -9,6 +9,12 @@ the `SupervisionError` an awaited endpoint call raises) into
 
     ActorFailure("generator failed during RL step 3 (rank 0): the process this actor
                   was running on failed: Killed(sig=9)")
+
+On several hosts (controller/hosts.py) the line names the host, and a host that dies whole
+surfaces once it has been silent for launcher.host_timeout_s:
+
+    ActorFailure("generator failed during RL step 2 (rank 0 on host generator_0): its host
+                  stopped answering (stopped: no status received from process)")
 """
 
 from __future__ import annotations
@@ -27,16 +33,37 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ActorError
 
 from torchtitan_rl.actors.fault_log import fault_log_path
+from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
 
 T = TypeVar("T")
+
+PEER_REPORT_WAIT_S = 30.0
+"""After a collective broke (`BroadcastBroken`), how long to wait for Monarch's report of the
+process that died: ~10 s for a process, launcher.host_timeout_s + ~9 s for a whole host."""
 
 FAILURE_GRACE_S = 2.0
 """After a failure report, how long the awaited call gets to raise its own (more precise)
 SupervisionError before the controller cancels it."""
 
-_MESH_RANK = re.compile(r"(\w+)(?:-\w+)?\{'\w+': (\d+)/\d+\}")
-"""An actor in a report: `generator{'procs': 0/1}` (the name given to spawn, a rank),
-or `logger-tTVtQ3vHas1{'gpus': 1/2}` for Monarch's own per-proc actors."""
+_MESH_POINT = re.compile(r"(\w+)(?:-\w+)?\{((?:'\w+': \d+/\d+(?:, )?)+)\}")
+"""An actor in a report: `generator{'procs': 0/1}` (the name given to spawn, a point of
+its mesh), `trainer{'hosts': 1/2, 'procs': 0/1}` on a mesh over several hosts, or
+`logger-tTVtQ3vHas1{'gpus': 1/2}` for Monarch's own per-proc actors."""
+HOST_SILENT = "no status received from process"
+"""How Monarch reports an actor whose whole host went silent (killed, powered off, cut off)."""
+_COORD = re.compile(r"'\w+': (\d+)/(\d+)")
+
+
+def _actors(report: str) -> list[tuple[str, int]]:
+    """(name, flat rank) of every actor a report names; the rank is row-major over the
+    mesh's dimensions (hosts, then processes per host), as `current_rank().rank`."""
+    found = []
+    for name, point in _MESH_POINT.findall(report):
+        rank = 0
+        for index, size in _COORD.findall(point):
+            rank = rank * int(size) + int(index)
+        found.append((name, rank))
+    return found
 
 
 class ActorFailure(RuntimeError):
@@ -44,18 +71,27 @@ class ActorFailure(RuntimeError):
     shown to the user."""
 
 
-def describe_failure(report: str, names: tuple[str, ...], where: str) -> str:
+def describe_failure(
+    report: str, names: tuple[str, ...], where: str, hosts: dict[str, list[str]] | None = None
+) -> str:
     """One line naming the actor (one of `names`, the names its mesh was spawned under),
-    its rank, the stage of the run and the reason."""
+    its rank and, when `hosts` ({name: host of each rank}) knows it, its host; the stage of
+    the run and the reason."""
     role, rank = "an actor", None
-    for name, r in _MESH_RANK.findall(report):
+    for name, r in _actors(report):
         if name in names:
             role, rank = name, r
             break
     lines = [line.strip() for line in report.splitlines() if line.strip()]
     reason = lines[-1] if lines else "no reason given"
     reason = reason.removeprefix("actor explicitly aborted due to: ")
-    rank_text = f" (rank {rank})" if rank is not None else ""
+    if reason.endswith(HOST_SILENT):
+        reason = f"its host stopped answering ({reason})"
+    rank_text = ""
+    if rank is not None:
+        host = (hosts or {}).get(role, [])
+        on = f" on host {host[rank]}" if rank < len(host) else ""
+        rank_text = f" (rank {rank}{on})"
     return f"{role} failed {where}{rank_text}: {reason}"
 
 
@@ -68,6 +104,8 @@ class Supervisor:
         self.log_dir = log_dir
         """Where actors leave their stacks when a signal kills them (actors/fault_log.py)."""
         self.reports: list[str] = []
+        self.hosts: dict[str, list[str]] = {}
+        """{actor name: host of each rank}, when the meshes span several hosts."""
         self.where = "at start-up"
         self._failed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -90,17 +128,33 @@ class Supervisor:
         if not self._loop.is_closed():  # a late report after the run ended needs no wake-up
             self._loop.call_soon_threadsafe(self._failed.set)
 
+    def _named_reports(self) -> list[str]:
+        return [r for r in self.reports if any(f"{n}{{" in r for n in self.names)]
+
     def failure(self) -> ActorFailure | None:
         """The recorded failure (the report naming a known actor first), if any."""
         if not self.reports:
             return None
-        named = [r for r in self.reports if any(f"{n}{{" in r for n in self.names)]
-        return self._failure((named or self.reports)[0])
+        return self._failure((self._named_reports() or self.reports)[0])
+
+    async def _wait_for_named_report(self, timeout: float) -> None:
+        """Until a report names one of `names` (Monarch's own per-process actors, e.g. its
+        logger, may report the same death first), or `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self._named_reports() and loop.time() < deadline:
+            self._failed.clear()  # set again by the next report
+            if self._named_reports():
+                break
+            try:
+                await asyncio.wait_for(self._failed.wait(), deadline - loop.time())
+            except TimeoutError:
+                break
 
     def _failure(self, report: str) -> ActorFailure:
         """The one line, plus the dead process's Python stacks file when it wrote one."""
-        line = describe_failure(report, self.names, self.where)
-        for name, rank in _MESH_RANK.findall(report):
+        line = describe_failure(report, self.names, self.where, self.hosts)
+        for name, rank in _actors(report):
             if name in self.names and self.log_dir is not None:
                 path = fault_log_path(self.log_dir, name, int(rank))
                 if path.is_file() and path.stat().st_size:
@@ -127,6 +181,10 @@ class Supervisor:
                 await asyncio.wait({task}, timeout=FAILURE_GRACE_S)
             if task.done():
                 error = None if task.cancelled() else task.exception()
+                if isinstance(error, BroadcastBroken):
+                    await self._wait_for_named_report(PEER_REPORT_WAIT_S)
+                if isinstance(error, BroadcastBroken) and self.reports:
+                    raise self.failure() from error  # the death that broke it, named
                 if error is not None:
                     translated = self.translate(error)
                     if translated is error:

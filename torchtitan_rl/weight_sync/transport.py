@@ -3,8 +3,11 @@
 - `CUDA_IPC`: trainer rank 0 and every generator on GPUs of one host. Rank 0 packs the weights
   into a GPU buffer it keeps for the run and returns CUDA IPC handles to it; each generator
   opens the buffer and copies it device to device. Only those handles pass through Monarch.
-- `CONTROLLER`: anything else (CPU, another host). Rank 0 returns the packed buffer on CPU
-  and the controller passes it to each generator.
+- `BROADCAST`: anything else (CPU, other processes, other hosts). Rank 0 packs into a CPU
+  buffer and broadcasts it in a gloo group of its own with every generator
+  (weight_sync/broadcast.py); the bytes never pass through the controller.
+- `CONTROLLER`: the fallback when the broadcast group cannot be opened. Rank 0 returns the
+  packed buffer on CPU and the controller passes it to each generator.
 
 Either way a sync returns once every generator holds its own copy of version v, which its
 engine applies between engine steps (generation/engine.py, `weight_sync_mode`).
@@ -13,24 +16,33 @@ engine applies between engine steps (generation/engine.py, `weight_sync_mode`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from enum import StrEnum
+
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from monarch.actor import ActorError
+
+from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
+
+logger = logging.getLogger(__name__)
 
 
 class WeightTransport(StrEnum):
     CUDA_IPC = "cuda_ipc"
+    BROADCAST = "broadcast"
     CONTROLLER = "controller"
 
 
 async def choose_transport(trainer, generators) -> WeightTransport:
-    """CUDA_IPC when every generator process sees trainer rank 0's GPU, else CONTROLLER."""
+    """CUDA_IPC when every generator process sees trainer rank 0's GPU, else BROADCAST."""
     uuids = [u for u in (await trainer.cuda_uuid.call()).values() if u]
     if not uuids:
-        return WeightTransport.CONTROLLER
+        return WeightTransport.BROADCAST
     seen = await asyncio.gather(*(g.cuda_uuids.call_one() for g in generators))
     if all(uuids[0] in s for s in seen):
         return WeightTransport.CUDA_IPC
-    return WeightTransport.CONTROLLER
+    return WeightTransport.BROADCAST
 
 
 class WeightSync:
@@ -47,7 +59,24 @@ class WeightSync:
 
     @classmethod
     async def create(cls, trainer, generators, dtype: str) -> WeightSync:
-        return cls(trainer, generators, dtype, await choose_transport(trainer, generators))
+        """The transport `choose_transport` picks, ready to use (a broadcast group opened);
+        CONTROLLER, with a warning, when the group cannot be opened."""
+        sync = cls(trainer, generators, dtype, await choose_transport(trainer, generators))
+        if sync.transport is WeightTransport.BROADCAST:
+            try:
+                await sync.open_broadcast()
+            except Exception as e:
+                logger.warning("weight broadcast group: %s; syncing through the controller", e)
+                sync.transport = WeightTransport.CONTROLLER
+        return sync
+
+    async def open_broadcast(self) -> None:
+        """Trainer rank 0 opens the group; generator i becomes its member i + 1."""
+        out = await self.trainer.open_broadcast.call(self.dtype, len(self.generators))
+        group = _rank0(out)
+        await asyncio.gather(
+            *(g.join_broadcast.call_one(group, i + 1) for i, g in enumerate(self.generators))
+        )
 
     async def __call__(self) -> float:
         t0 = time.perf_counter()
@@ -58,11 +87,28 @@ class WeightSync:
             await asyncio.gather(
                 *(g.load_shared_weights.call_one(shared, i) for i, g in enumerate(self.generators))
             )
+        elif self.transport is WeightTransport.BROADCAST:
+            self.version = await self._broadcast()
         else:
             packed = _rank0(await self.trainer.publish_weights.call(self.dtype))
             self.version = packed.version
             await asyncio.gather(*(g.load_weights.call_one(packed) for g in self.generators))
         return time.perf_counter() - t0
+
+    async def _broadcast(self) -> int:
+        try:
+            sent, *received = await asyncio.gather(
+                self.trainer.broadcast_weights.call(),
+                *(g.receive_weights.call_one() for g in self.generators),
+            )
+        except ActorError as e:
+            if isinstance(e.exception, SupervisionError):  # a death Monarch reported first
+                raise
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            raise BroadcastBroken(f"the weight broadcast failed: {lines[-1]}") from e
+        version = _rank0(sent)
+        assert received == [version] * len(received), (version, received)
+        return version
 
 
 def _rank0(values):

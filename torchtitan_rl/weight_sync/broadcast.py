@@ -1,0 +1,122 @@
+"""Weights straight from trainer rank 0 to every generator, on any host: one gloo broadcast in
+a process group of their own, never through the controller.
+
+    group rank 0      = trainer rank 0 (the source; it also serves the group's TCPStore)
+    group rank i + 1  = generator replica i
+
+Once per run, rank 0 opens the group (`BroadcastSender`, a free port on its host) and
+returns a `BroadcastGroup` record: where to meet, plus the layout every receiver allocates
+for. At each sync both sides enter the same two broadcasts: the policy version (one int64),
+then the packed buffer (`packing.py` layout). The first sync also forms the group, so the
+sender and every receiver must be called at the same time (`WeightSync` does).
+
+Why gloo and not Monarch's RDMABuffer here: on this 2-core VM, TCP loopback, gloo moved
+268 MB in 0.08 s (3.2 GB/s) where RDMABuffer's TCP fallback (no ibverbs) moved 67 MB in
+0.2 s (0.34 GB/s); scripts/bench_weight_sync.py --hosts measures both side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl.weight_sync.packing import Layout, PackedWeights
+
+BROADCAST_TIMEOUT = timedelta(seconds=600)
+"""How long a member waits for the others (forming the group, or one broadcast): long
+enough for a 32B model in bf16 (64 GB) at ~1 GB/s; a dead member ends the run sooner
+through the Supervisor."""
+
+
+class BroadcastBroken(RuntimeError):
+    """A weight broadcast failed on some member, most likely because another member's
+    process died (gloo: "Connection closed by peer"). The Supervisor waits a moment for
+    Monarch's report of which process it was, and says that instead."""
+
+
+@dataclass(kw_only=True, slots=True)
+class BroadcastGroup:
+    """Where the group meets and what travels in it (a few KB: the layout), e.g.
+    BroadcastGroup(addr="trainer-node-3", port=41233, world_size=3, numel=7_000_000,
+    dtype=torch.bfloat16, layout=[("tok_embeddings.weight", (96, 256), 0), ...])."""
+
+    addr: str
+    port: int
+    world_size: int
+    numel: int
+    dtype: torch.dtype
+    layout: Layout
+
+
+def _group(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
+    return dist.ProcessGroupGloo(store, rank, size, BROADCAST_TIMEOUT)
+
+
+def _broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([tensor], opts).wait()
+
+
+class BroadcastSender:
+    """Trainer rank 0's side: the group's store and a packed CPU buffer kept for the run."""
+
+    def __init__(self, layout: Layout, numel: int, dtype: torch.dtype, receivers: int):
+        addr = os.environ.get("MASTER_ADDR") or socket.gethostname()  # what other hosts dial
+        self.store = dist.TCPStore(
+            addr, 0, receivers + 1, is_master=True, timeout=BROADCAST_TIMEOUT,
+            wait_for_workers=False,
+        )  # fmt: skip
+        self.group = BroadcastGroup(
+            addr=addr, port=self.store.port, world_size=receivers + 1, numel=numel,
+            dtype=dtype, layout=layout,
+        )  # fmt: skip
+        self.flat_P = torch.empty(numel, dtype=dtype)
+        """Filled by the caller (`gather_into`) before each `send`."""
+        self._pg: dist.ProcessGroup | None = None
+
+    def fits(self, layout: Layout, dtype: torch.dtype) -> bool:
+        return layout == self.group.layout and dtype == self.group.dtype
+
+    def send(self, version: int) -> None:
+        """Broadcast `version`, then `flat_P`; returns once every receiver has it."""
+        if self._pg is None:
+            self._pg = _group(self.store, 0, self.group.world_size)
+        _broadcast(self._pg, torch.tensor([version], dtype=torch.int64))
+        _broadcast(self._pg, self.flat_P)
+
+
+class BroadcastReceiver:
+    """A generator's side: member `rank` (>= 1) of `group`; each receive fills a new
+    buffer, which the engine keeps until it applies it."""
+
+    def __init__(self, group: BroadcastGroup, rank: int):
+        assert 1 <= rank < group.world_size, (rank, group.world_size)
+        self.group = group
+        self.rank = rank
+        self._pg: dist.ProcessGroup | None = None
+
+    def _join(self) -> dist.ProcessGroup:
+        g = self.group
+        store = dist.TCPStore(g.addr, g.port, g.world_size, is_master=False,
+                              timeout=BROADCAST_TIMEOUT)  # fmt: skip
+        return _group(store, self.rank, g.world_size)
+
+    def receive_blocking(self) -> PackedWeights:
+        if self._pg is None:
+            self._pg = self._join()
+        version = torch.zeros(1, dtype=torch.int64)
+        _broadcast(self._pg, version)
+        flat_P = torch.empty(self.group.numel, dtype=self.group.dtype)
+        _broadcast(self._pg, flat_P)
+        return PackedWeights(version=int(version.item()), flat_P=flat_P, layout=self.group.layout)
+
+    async def receive(self) -> PackedWeights:
+        """The next broadcast, waited for off the event loop (the engine keeps generating)."""
+        return await asyncio.to_thread(self.receive_blocking)
