@@ -63,7 +63,8 @@ class _Session:
     """One verifiers trace (one agent's run) of the rollout."""
 
     label: str
-    """"" for the trained agent, else "{agent}/" (request ids and seeds tell them apart)."""
+    """"" for the trained agent, else "{agent}/" (request ids and seeds tell them apart);
+    "{trace id}/" for a trace never named."""
     turns: list[_Turn] = field(default_factory=list)
 
 

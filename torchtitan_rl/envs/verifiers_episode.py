@@ -70,11 +70,15 @@ def fill_rollout(rollout: Rollout, episode: Any, client: GenerateFnClient) -> No
         rollout.status = RolloutStatus.ERROR_TIMEOUT
         rollout.error = f"verifiers stopped the episode: {trace.stop_condition}"
         return None
-    if not rollout.turns or len(rollout.turns) != trace.num_turns:
+    if not rollout.turns:
+        rollout.status = RolloutStatus.ERROR_ENV
+        rollout.error = "the episode ended before the trained agent's first turn"
+        return None
+    if len(rollout.turns) != trace.num_turns:  # a turn generated but not kept (or the reverse)
         rollout.status = RolloutStatus.ERROR_ENV
         rollout.error = (
             f"verifiers kept {trace.num_turns} turns of the {len(rollout.turns)} generated "
-            "for the trained agent; nothing to train on"
+            "for the trained agent"
         )
         return None
     rollout.status = _finished_status(rollout, trace.stop_condition)
