@@ -45,8 +45,9 @@ def _play(env, sample, respond, group_size=2):
     generated = {}
 
     def answer(call):
-        *_, rollout, turn = call.request_id.split("/")
-        text = respond(call, int(rollout.split("=")[1]), int(turn.split("=")[1]))
+        rollout = int(re.search(r"/rollout=(\d+)/", call.request_id).group(1))
+        turn = int(re.search(r"/turn=(\d+)$", call.request_id).group(1))
+        text = respond(call, rollout, turn)
         completion = make_completion([*encode(text), ODD, IM_END], request_id=call.request_id)
         generated[call.request_id] = completion
         return completion
@@ -139,6 +140,14 @@ def test_env_max_turns_caps_the_episode_as_a_truncated_rollout():
     assert rollout.reward == 0.0 and "verifiers_reward" in rollout.turns[-1].reward_signals
 
 
+def test_max_concurrent_bounds_the_episodes_played_at_once():
+    env = _env(GUESS, "--env.max_turns=2", "--env.args.max_concurrent=1")
+    sample, _ = _guess_sample(env)
+    _, _, generate = _play(env, sample, lambda call, r, t: "0")
+    rollouts = [re.search(r"rollout=(\d+)", c.request_id).group(1) for c in generate.calls]
+    assert len(rollouts) == 4 and rollouts[0] == rollouts[1] and rollouts[2] == rollouts[3]
+
+
 def test_a_raising_reward_is_an_error_reward_rollout_never_a_zero():
     env = _env(ECHO, "--env.args.taskset.raise_in_reward=true")
     group, _, _ = _play(env, env.train_sample(0), lambda call, r, t: "x")
@@ -155,10 +164,11 @@ def test_a_failed_generation_is_an_error_generator_rollout():
         return make_completion([], finish_reason=FinishReason.ERROR, request_id=call.request_id)
 
     rollouter = Rollouter(env, FakeRenderer(), env.config, RolloutConfig(group_size=1), seed=0)
+    generate = ScriptedGenerate(fail)
     rollout = asyncio.run(
         rollouter.run_single_rollout(
             env.train_sample(0),
-            ScriptedGenerate(fail),
+            generate,
             group_id=0,
             rollout_id=0,
             sampling=RolloutConfig().sampling_params(seed=0, max_tokens=8, stop_token_ids=()),
@@ -166,6 +176,34 @@ def test_a_failed_generation_is_an_error_generator_rollout():
     )
     assert rollout.status is RolloutStatus.ERROR_GENERATOR
     assert rollout.error.startswith("ProviderError: generator failed on step=0/group=0")
+    assert len(generate.calls) == 1  # an invalid request is not retried by the chat program
+
+
+def test_a_simulated_user_generates_too_but_only_the_trained_agent_is_trained():
+    env = _env(  # verifiers' own Env; its user's persona prompt is long
+        ECHO, "--env.args.id=user-sim", "--env.max_turns=3", "--env.max_rollout_tokens=2048"
+    )
+    sample = env.train_sample(0)
+    word = env.tasks[sample["index"]].data.answer
+
+    def respond(call, rollout, turn):
+        if "/user/" not in call.request_id:
+            return word  # the assistant, the trained agent
+        return f"Say {word}" if turn == 0 else "###DONE###"  # the user opens, then ends it
+
+    group, generated, generate = _play(env, sample, respond, group_size=1)
+    (rollout,) = group.rollouts
+    assert rollout.status is RolloutStatus.COMPLETED and rollout.reward == 2.0
+    (turn,) = rollout.turns
+    assert turn.completion is generated[f"{rollout.session_id}/turn=0"]
+    assert rollout.messages == [
+        {"role": "system", "content": "Reply with the word only."},
+        {"role": "user", "content": f"Say {word}"},
+        {"role": "assistant", "content": word},
+    ]
+    user = sorted(c.request_id for c in generate.calls if "/user/" in c.request_id)
+    assert user == [f"{rollout.session_id}/user/turn={t}" for t in (0, 1)]
+    assert {c.session_id for c in generate.calls} == {rollout.session_id}
 
 
 def test_train_and_validation_share_no_task():

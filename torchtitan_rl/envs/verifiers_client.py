@@ -164,7 +164,11 @@ class GenerateFnClient(Client):
         )
         if completion is None or completion.finish_reason not in FINISH:
             why = "no completion" if completion is None else completion.error
-            raise ProviderError(f"generator failed on {request_id}: {why}", status_code=502)
+            # an invalid request fails again: a 4xx, which the chat program does not retry
+            invalid = completion is not None and completion.finish_reason == FinishReason.ERROR
+            raise ProviderError(
+                f"generator failed on {request_id}: {why}", status_code=400 if invalid else 502
+            )
         text = self.renderer.parse_completion(completion.token_ids_N)
         session.turns.append(_Turn(messages, prompt_ids, completion, text))
         return _response(request_id, body, prompt_ids, completion, text)

@@ -25,6 +25,7 @@ sum of the trace's rewards.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.util
 import os
@@ -84,9 +85,13 @@ class VerifiersArgs:
     size: int = 0
     """Tasks read from the taskset: its first `size`, or 0 for all (an infinite taskset
     needs a size)."""
+    max_concurrent: int = 16
+    """Episodes played at once, >= 1 (each turn of each runs a Python process); the rest
+    wait their turn."""
 
     def validate(self) -> None:
         check_range("size", self.size, ge=0)
+        check_range("max_concurrent", self.max_concurrent, ge=1)
         verifiers_config(self)
 
     @property
@@ -190,7 +195,16 @@ class VerifiersEnvironment(EpisodeEnvironment):
                 "(a hash of the task key picks about 1 in 8); both splits need a task"
             )
         self.keys = keys
+        self._gate: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
+        """(loop, the semaphore bounding its episodes to env.args.max_concurrent)."""
         use_this_python_for_the_chat_program()
+
+    def _episodes(self) -> asyncio.Semaphore:
+        """The running loop's episode semaphore (a semaphore belongs to one loop)."""
+        loop = asyncio.get_running_loop()
+        if self._gate is None or self._gate[0] is not loop:
+            self._gate = (loop, asyncio.Semaphore(self.args.max_concurrent))
+        return self._gate[1]
 
     def _draw(self, rng: random.Random) -> dict[str, Any]:
         index = rng.randrange(len(self.tasks))
@@ -244,7 +258,7 @@ class VerifiersEnvironment(EpisodeEnvironment):
         def name_trace(trace: Any) -> None:
             client.name_trace(trace.id, agent=trace.agent.name, trained=trace.agent.trainable)
 
-        async with env.serving():
+        async with self._episodes(), env.serving():
             server = env._interception  # built by serving() from our InterceptionServerConfig
             assert isinstance(server, InterceptionServer)
             server.clients[endpoint.model_dump_json()] = client

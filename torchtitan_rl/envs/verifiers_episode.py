@@ -10,11 +10,12 @@ last turn's `reward_signals`, and the rubric reads verifiers' weighted sum back:
                       "reward/exact": 1.0, "reward/format": 0.6,   # each @reward's score
                       "metric/num_words": 3.0}           # each @metric
 
-Status: a failed trace or episode is an error (a raising @reward or Env.finalize is
-ERROR_REWARD, a failed generation ERROR_GENERATOR, anything else ERROR_ENV, a deadline
-ERROR_TIMEOUT, each with verifiers' error line); a trace stopped by a limit is truncated
-(max_turns: TRUNCATED_TURNS, token limits: TRUNCATED_PROMPT); a last completion cut at
-max_tokens is TRUNCATED_LENGTH; anything else COMPLETED.
+Status: a failed episode or trace (any agent's: verifiers then fails the episode) is an
+error (a raising @reward or Env.finalize is ERROR_REWARD, a failed generation
+ERROR_GENERATOR, anything else ERROR_ENV, a deadline ERROR_TIMEOUT, each with verifiers'
+error line); a trace stopped by a limit is truncated (max_turns: TRUNCATED_TURNS, token
+limits: TRUNCATED_PROMPT); a last completion cut at max_tokens is TRUNCATED_LENGTH; anything
+else COMPLETED.
 """
 
 from __future__ import annotations
@@ -59,13 +60,16 @@ def fill_rollout(rollout: Rollout, episode: Any, client: GenerateFnClient) -> No
         else:
             status = RolloutStatus.ERROR_ENV
         return _fail(rollout, status, error)
+    failed = [t for t in episode.traces if not t.ok]  # verifiers fails the episode with any
+    if failed:
+        first = next((t for t in failed if t.agent.trainable), failed[0])
+        where = "" if first.agent.trainable else f"agent {first.agent.name!r}: "
+        return _fail(rollout, _failure_status(first), first.last_error, where)
     if len(trained) != 1:
         names = [t.agent.name for t in trained]
         rollout.status = RolloutStatus.ERROR_ENV
         rollout.error = f"the episode has {len(trained)} trainable traces {names}; one is trained"
         return None
-    if not trace.ok:
-        return _fail(rollout, _failure_status(trace), trace.last_error)
     if trace.is_timeout:
         rollout.status = RolloutStatus.ERROR_TIMEOUT
         rollout.error = f"verifiers stopped the episode: {trace.stop_condition}"
@@ -106,12 +110,12 @@ def _finished_status(rollout: Rollout, stop: str | None) -> RolloutStatus:
     return RolloutStatus.COMPLETED
 
 
-def _fail(rollout: Rollout, status: RolloutStatus, error: Any) -> None:
+def _fail(rollout: Rollout, status: RolloutStatus, error: Any, where: str = "") -> None:
     """An error status with verifiers' error (a `trace.Error`) as its line and details."""
     rollout.status = status
     if error is None:
-        rollout.error = "the verifiers episode failed without an error"
+        rollout.error = f"{where}the verifiers episode failed without an error"
         return
     lines = error.message.strip().splitlines() or [""]
-    rollout.error = f"{error.type}: {lines[0]}"
+    rollout.error = f"{where}{error.type}: {lines[0]}"
     rollout.error_details = error.traceback or (error.message if len(lines) > 1 else None)
