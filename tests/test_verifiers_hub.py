@@ -219,12 +219,25 @@ def test_train_and_validation_share_no_task():
     [
         ("verifiers:no-such-env", (), "env.name='verifiers:no-such-env': taskset 'no-such-env'"),
         ("verifiers:", (), "names no verifiers environment"),
-        (ECHO, ("--env.args.taskset.num_taskz=3",), "env.taskset.num_taskz: Extra inputs"),
+        (ECHO, ("--env.args.taskset.num_taskz=3",), "env.args.taskset.num_taskz: Extra inputs"),
         (ECHO, ("--env.args.taskset.num_tasks=2",), "both splits need a task"),
-        (GUESS, ("--env.args.env={player={harness={id='bash'}}}",), "runs harness 'bash'"),
-        (GUESS, ("--env.args.env={player={runtime={type='docker'}}}",), "env.player.runtime"),
-        (GUESS, ("--env.args.env={taskset={}}",), "env.taskset is not set in env.args.env"),
-        (ECHO, ("--env.args.id=no-such-env",), "id='no-such-env'"),
+        (
+            GUESS,
+            ("--env.args.env={player={harness={id='bash'}}}",),
+            "env.args.env.player.harness: role 'player' runs harness 'bash'",
+        ),
+        (
+            GUESS,
+            ("--env.args.env={player={runtime={type='docker'}}}",),
+            "env.args.env.player.runtime",
+        ),
+        (GUESS, ("--env.args.env={max_guesses='x'}",), "env.args.env.max_guesses: Input"),
+        (
+            GUESS,
+            ("--env.args.env={taskset={}}",),
+            "env.args.env.taskset: set it as env.args.taskset",
+        ),
+        (ECHO, ("--env.args.id=no-such-env",), "env.args.id='no-such-env'"),
     ],
 )
 def test_config_mistakes_are_one_line(name, overrides, needle):

@@ -57,9 +57,8 @@ HARNESS = "null"
 """The harness every role runs: verifiers' tool-less chat loop (our renderer has no tools)."""
 CHAT_PROGRAM_MODULES = ("openai", "mcp", "httpx", "httpx2", "tenacity", "certifi")
 """The chat program's declared dependencies (`CHAT_PROGRAM`, harnesses/utils/launch.py)."""
-OURS = ("id", "taskset", "interception")
-"""verifiers [env] keys env.args.env may not hold: the first two have keys of their own in
-env.args, the interception server is ours."""
+OWN_KEYS = ("id", "taskset")
+"""verifiers [env] keys with an env.args key of their own (not in env.args.env)."""
 ENDPOINT = "http://torchtitan-rl.invalid"
 """The base URL of each rollout's client config: never dialed (its client is ours), unique
 per rollout (`.../<session id>`) so the server keeps one client per rollout."""
@@ -90,39 +89,48 @@ class VerifiersArgs:
     wait their turn."""
 
     def validate(self) -> None:
-        check_range("size", self.size, ge=0)
-        check_range("max_concurrent", self.max_concurrent, ge=1)
+        check_range("env.args.size", self.size, ge=0)
+        check_range("env.args.max_concurrent", self.max_concurrent, ge=1)
         verifiers_config(self)
 
     @property
     def table(self) -> dict[str, Any]:
         """verifiers' [env] table these settings stand for."""
-        for key in OURS:
+        for key in OWN_KEYS:
             if key in self.env:
-                raise ValueError(f"env.{key} is not set in env.args.env (see env.args)")
+                raise ValueError(f"env.args.env.{key}: set it as env.args.{key}")
+        if "interception" in self.env:
+            raise ValueError("env.args.env.interception: torchtitan_rl serves the model calls")
         return {**self.env, "id": self.id, "taskset": {**self.taskset, "id": self.taskset_id}}
 
 
 def verifiers_config(args: VerifiersArgs) -> Any:
-    """The validated verifiers EnvConfig of `args`; ValueError (one line) for a bad key or a
-    role that pins a harness other than "null"."""
+    """The validated verifiers EnvConfig of `args`; ValueError (one line naming the env.args
+    key) for a bad key or a role that pins a harness other than "null" or a runtime."""
     try:
         config = resolve_env_config(args.table)
     except pydantic.ValidationError as e:
         error = e.errors()[0]
-        where = ".".join(str(part) for part in error["loc"])
-        raise ValueError(f"env.{where}: {error['msg']}") from None
-    except (ImportError, TypeError, AttributeError) as e:  # env.id naming no Env
-        raise ValueError(f"id={args.id!r}: {str(e).splitlines()[0]}") from e
+        raise ValueError(f"{_our_key(error['loc'])}: {error['msg']}") from None
+    except (ImportError, TypeError, AttributeError) as e:  # env.args.id naming no Env
+        raise ValueError(f"env.args.id={args.id!r}: {str(e).splitlines()[0]}") from e
     for role, agent in agent_config_fields(config).items():
         if agent.harness is not None and agent.harness.id != HARNESS:
             raise ValueError(
-                f"role {role!r} runs harness {agent.harness.id!r}; torchtitan_rl runs every "
-                f"role with verifiers' tool-less {HARNESS!r} chat harness"
+                f"env.args.env.{role}.harness: role {role!r} runs harness "
+                f"{agent.harness.id!r}; torchtitan_rl runs every role with verifiers' "
+                f"tool-less {HARNESS!r} chat harness"
             )
         if "runtime" in args.env.get(role, {}):
-            raise ValueError(f"env.{role}.runtime: every role runs locally here (subprocess)")
+            raise ValueError(f"env.args.env.{role}.runtime: every role runs here, locally")
     return config
+
+
+def _our_key(loc: tuple) -> str:
+    """A key path of verifiers' [env] table as the env.args key that sets it."""
+    head, *rest = (str(part) for part in loc)
+    section = f"env.args.{head}" if head in OWN_KEYS else f"env.args.env.{head}"
+    return ".".join([section, *rest])
 
 
 def run_config(config: Any, env: EnvConfig) -> Any:
