@@ -15,7 +15,7 @@ pytest.importorskip("verifiers.v1")
 
 from fakes import IM_END, FakeRenderer, ScriptedGenerate, encode, make_completion  # noqa: E402
 
-from torchtitan_rl.config import ConfigError, load_config  # noqa: E402
+from torchtitan_rl.config import ConfigError, load_config, to_toml  # noqa: E402
 from torchtitan_rl.envs import build_environment  # noqa: E402
 from torchtitan_rl.rollout.episodes import rollout_to_episodes  # noqa: E402
 from torchtitan_rl.rollout.records import read_records  # noqa: E402
@@ -244,6 +244,18 @@ def test_config_mistakes_are_one_line(name, overrides, needle):
     with pytest.raises((ConfigError, ValueError), match=re.escape(needle)) as info:
         _env(name, *overrides)
     assert "\n" not in str(info.value)
+
+
+def test_the_saved_config_reloads_verifiers_own_nested_settings(tmp_path):
+    config = _config(
+        GUESS,
+        "--env.args.env={max_guesses=2, player={max_turns=3}}",
+        "--env.args.taskset.num_tasks=24",
+    )
+    saved = tmp_path / "config.toml"
+    saved.write_text(to_toml(config))
+    assert load_config(saved).env_args() == config.env_args()
+    assert config.env_args().env == {"max_guesses": 2, "player": {"max_turns": 3}}
 
 
 def test_verifiers_not_installed_is_one_line(monkeypatch):
