@@ -267,7 +267,9 @@ class VerifiersEnvironment(EpisodeEnvironment):
             client.name_trace(trace.id, agent=trace.agent.name, trained=trace.agent.trainable)
 
         async with self._episodes(), env.serving():
-            server = env._interception  # built by serving() from our InterceptionServerConfig
+            # serving() built it from our InterceptionServerConfig; verifiers 0.4.0 has no
+            # public way to give it a client object, so ours goes in its client table
+            server = env._interception
             assert isinstance(server, InterceptionServer)
             server.clients[endpoint.model_dump_json()] = client
             task = self.tasks[rollout.sample["index"]]
