@@ -21,14 +21,28 @@ ODD = 300
 it was built from the sampled ids, not from the text re-tokenized."""
 
 
-def _client(respond):
+SESSION = "step=1/group=2/rollout=3"
+
+
+def _client(respond, max_rollout_tokens=512):
     generate = ScriptedGenerate(respond)
     sampling = SamplingParams(temperature=1.0, max_tokens=32, seed=0, stop_token_ids=(IM_END,))
-    return GenerateFnClient(generate, FakeRenderer(), sampling), generate
+    client = GenerateFnClient(
+        generate,
+        FakeRenderer(),
+        sampling,
+        session_id=SESSION,
+        seed_of_turn=lambda turn: 100 + turn,
+        max_rollout_tokens=max_rollout_tokens,
+    )
+    client.name_trace("s", agent="player", trained=True)
+    return client, generate
 
 
-def _ask(client, messages, max_tokens=None, session="s"):
+def _ask(client, messages, max_tokens=None, session="s", tools=None):
     body = {"model": "policy", "messages": messages}
+    if tools:
+        body["tools"] = tools
     sampling = SamplingConfig(max_tokens=max_tokens)
     return asyncio.run(client.get_response(ChatDialect(), body, sampling, session_id=session))
 
@@ -46,8 +60,33 @@ def test_a_single_turn_reports_the_rendered_prompt_and_the_sampled_ids_and_logpr
     assert response.tokens.prompt_ids == FakeRenderer().render_prompt(messages).tolist()
     assert response.tokens.completion_ids == completion.token_ids_N.tolist()
     assert response.tokens.completion_logprobs == completion.logprobs_N.tolist()
-    assert generate.calls[0].sampling.max_tokens == 8  # the request can lower max_tokens
-    assert generate.calls[0].session_id == "s" and generate.calls[0].request_id == "s/turn=0"
+    call = generate.calls[0]
+    assert call.sampling.max_tokens == 8  # the request can lower max_tokens
+    assert call.session_id == SESSION and call.request_id == f"{SESSION}/turn=0"
+    assert call.sampling.seed == 100  # seed_of_turn(0): the Rollouter's seed of the turn
+
+
+def test_another_agents_requests_are_named_and_seeded_apart_from_the_trained_agents():
+    client, generate = _client(lambda call: _answer("ok", call.request_id))
+    client.name_trace("u", agent="user", trained=False)
+    _ask(client, [{"role": "user", "content": "q"}], session="u")
+    _ask(client, [{"role": "user", "content": "q"}], session="s")
+    user, trained = generate.calls
+    assert user.request_id == f"{SESSION}/user/turn=0" and user.session_id == SESSION
+    assert trained.request_id == f"{SESSION}/turn=0" and trained.sampling.seed == 100
+    assert user.sampling.seed != trained.sampling.seed
+    assert [len(client.turns(s)) for s in ("u", "s")] == [1, 1]
+
+
+def test_max_tokens_is_capped_by_what_is_left_of_the_rollout_budget():
+    messages = [{"role": "user", "content": "q"}]
+    prompt = len(FakeRenderer().render_prompt(messages))
+    client, generate = _client(lambda call: _answer("a", call.request_id), prompt + 5)
+    _ask(client, messages)
+    assert generate.calls[0].sampling.max_tokens == 5
+    client, _ = _client(lambda call: _answer("a", call.request_id), prompt)
+    with pytest.raises(ProviderError, match="leaves no room to generate under env.max_rollout"):
+        _ask(client, messages)
 
 
 def test_a_second_turn_extends_the_first_with_its_sampled_ids():
@@ -86,7 +125,7 @@ def test_a_failed_generation_and_a_tool_call_are_provider_errors():
     client, _ = _client(
         lambda call: make_completion([], finish_reason=FinishReason.ERROR, request_id="r")
     )
-    with pytest.raises(ProviderError, match="generator failed on s/turn=0"):
+    with pytest.raises(ProviderError, match=f"generator failed on {SESSION}/turn=0"):
         _ask(client, [{"role": "user", "content": "q"}])
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     history = [
@@ -95,3 +134,6 @@ def test_a_failed_generation_and_a_tool_call_are_provider_errors():
     ]
     with pytest.raises(ProviderError, match="text messages only"):
         _ask(client, history)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    with pytest.raises(ProviderError, match="this request defines tools"):
+        _ask(client, [{"role": "user", "content": "q"}], tools=[tool])

@@ -10,6 +10,7 @@ import collections.abc
 import dataclasses
 import enum
 import importlib.util
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -323,5 +324,16 @@ def toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list | tuple):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table; TOML has no null, so None keys are left out
+        items = [f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items() if v is not None]
+        return "{" + ", ".join(items) + "}"
     escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{escaped}"'
+
+
+def _toml_key(key: Any) -> str:
+    return (
+        key
+        if isinstance(key, str) and re.fullmatch(r"[A-Za-z0-9_-]+", key)
+        else toml_value(str(key))
+    )

@@ -10,6 +10,7 @@ from torchtitan_rl.envs.alphabet_sort import AlphabetSort
 from torchtitan_rl.envs.base import (
     EnvConfig,
     Environment,
+    EpisodeEnvironment,
     MessageEnv,
     RewardFn,
     Rubric,
@@ -18,6 +19,7 @@ from torchtitan_rl.envs.base import (
 from torchtitan_rl.envs.calculator import Calculator
 from torchtitan_rl.envs.countdown import Countdown
 from torchtitan_rl.envs.reasoning_gym_hub import reasoning_gym_environment
+from torchtitan_rl.envs.verifiers_hub import verifiers_environment
 
 ENVS: dict[str, type[Environment]] = {
     "alphabet_sort": AlphabetSort,
@@ -28,6 +30,7 @@ ENVS: dict[str, type[Environment]] = {
 
 HUBS: dict[str, Callable[[str], type[Environment]]] = {
     "reasoning_gym": reasoning_gym_environment,
+    "verifiers": verifiers_environment,
 }
 """Environment hubs, by the prefix of `env.name = "<hub>:<name>"`: each maps the name to an
 Environment class, importing the hub's package only then (ValueError if it is missing)."""
@@ -69,6 +72,7 @@ __all__ = [
     "HUBS",
     "EnvConfig",
     "Environment",
+    "EpisodeEnvironment",
     "MessageEnv",
     "RewardFn",
     "Rubric",

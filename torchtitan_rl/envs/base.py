@@ -7,6 +7,8 @@ envs are played on (`train_sample`, `validation_samples`), the envs themselves
 (`make_env`), the `Rubric` that turns a finished `Rollout` into its reward (`rubric`), and,
 optionally, gold conversations for the supervised warm start (`demonstration`). Its own
 settings are a dataclass named by `config_class`, filled from the `[env.args]` table.
+An `EpisodeEnvironment` instead plays each rollout with its own episode runner (a hub's,
+such as verifiers'), calling the generator itself.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from torchtitan_rl.types import Message, Rollout
+from torchtitan_rl.types import GenerateFn, Message, Rollout, SamplingParams
+
+if TYPE_CHECKING:
+    from torchtitan_rl.models.renderer import Renderer
 
 
 @dataclass(kw_only=True, slots=True)
@@ -167,6 +172,33 @@ class Environment(ABC):
     @classmethod
     def has_demonstrations(cls) -> bool:
         return cls.demonstration is not Environment.demonstration
+
+
+class EpisodeEnvironment(Environment):
+    """An Environment whose own episode runner plays each rollout (a hub's, such as
+    verifiers'), calling `generate_fn` itself rather than answering turn by turn as a
+    `MessageEnv` does. The Rollouter calls `play`, then scores the rollout with `rubric()`
+    unless `play` gave it an error status."""
+
+    @abstractmethod
+    async def play(
+        self,
+        rollout: Rollout,
+        generate_fn: GenerateFn,
+        *,
+        renderer: Renderer,
+        sampling: SamplingParams,
+        seed_of_turn: Callable[[int], int],
+    ) -> None:
+        """Play `rollout.sample` and fill `rollout`: `turns` (each turn's prompt ids, as
+        `renderer` made them and the generator saw them, and its `Completion`; never
+        re-tokenized text), `messages` and `status` (an error status with `error` set when
+        the episode failed). `sampling` is the template of every request; the trained
+        agent's turn T is named f"{rollout.session_id}/turn={T}" and sampled with seed
+        `seed_of_turn(T)`."""
+
+    def make_env(self, sample: dict[str, Any]) -> MessageEnv:
+        raise TypeError(f"{type(self).__name__} plays its rollouts itself (play), no MessageEnv")
 
 
 class SampleError(RuntimeError):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from torchtitan_rl.checks import check_range
-from torchtitan_rl.envs.base import draw_train_sample
+from torchtitan_rl.envs.base import EpisodeEnvironment, draw_train_sample
 from torchtitan_rl.rollout.advantages import group_has_signal
 from torchtitan_rl.rollout.token_env import TokenEnv, TokenEnvError
 from torchtitan_rl.types import (
@@ -210,6 +210,8 @@ class Rollouter:
         rollout = Rollout(
             group_id=group_id, rollout_id=rollout_id, session_id=session_id, sample=sample
         )
+        if isinstance(self._environment, EpisodeEnvironment):
+            return await self._play_episode(rollout, generate_fn, sampling=sampling, step=step)
         try:
             env = TokenEnv(self._environment.make_env(sample), self._renderer, self._env_config)
         except Exception as e:  # a user env failing is recorded on the rollout, not fatal
@@ -229,6 +231,38 @@ class Rollouter:
         rollout.messages = list(env.messages)
         rollout.status = status
         if not status.is_error():
+            self._score(rollout)
+        return rollout
+
+    async def _play_episode(
+        self,
+        rollout: Rollout,
+        generate_fn: GenerateFn,
+        *,
+        sampling: SamplingParams,
+        step: int,
+    ) -> Rollout:
+        """An EpisodeEnvironment's rollout: its own runner plays it, then it is scored."""
+        environment = self._environment
+        assert isinstance(environment, EpisodeEnvironment)
+
+        def seed_of_turn(turn: int) -> int:
+            return request_seed(self._seed, step, rollout.group_id, rollout.rollout_id, turn)
+
+        try:
+            await environment.play(
+                rollout,
+                generate_fn,
+                renderer=self._renderer,
+                sampling=sampling,
+                seed_of_turn=seed_of_turn,
+            )
+        except Exception as e:  # a hub's runner failing is recorded on the rollout, not fatal
+            return _fail(rollout, RolloutStatus.ERROR_ENV, _describe(e), traceback.format_exc())
+        finally:
+            if isinstance(generate_fn, EndsSessions):
+                generate_fn.end_session(rollout.session_id)
+        if not rollout.status.is_error():
             self._score(rollout)
         return rollout
 
