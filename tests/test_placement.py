@@ -21,7 +21,9 @@ from torchtitan_rl.controller.processes import process_lines, record_processes
         (2, 1, 1, "auto", ((0,), (1,))),  # a second GPU: the generator takes it
         (4, 1, 3, "auto", ((0,), (1, 2, 3))),
         (4, 2, 2, "auto", ((0, 1), (2, 3))),  # FSDP over 2 + 2 generator GPUs
-        (2, 1, 3, "auto", ((0,), (0, 0, 0))),  # too few for split: auto shares
+        (2, 1, 3, "auto", ((0,), (1, 1, 1))),  # too few for split: the spare GPU takes all
+        (4, 2, 3, "auto", ((0, 1), (2, 3, 2))),  # one each while they last, then turns
+        (2, 2, 1, "auto", ((0, 1), (0,))),  # no spare GPU: shared
         (4, 2, 3, "shared", ((0, 1), (0, 1, 0))),  # round robin over the trainer's GPUs
         (2, 1, 1, "shared", ((0,), (0,))),  # the 1-GPU baseline on a 2-GPU host
         (8, 4, 2, "split", ((0, 1, 2, 3), (4, 5))),  # spare GPUs stay idle
@@ -111,3 +113,17 @@ def test_the_vllm_backend_shares_gpu_0_and_refuses_split(monkeypatch):
     par.placement = "split"
     with pytest.raises(ValueError, match='"split" is not available with generator.backend'):
         plan(par, 1, "vllm")
+
+
+@pytest.mark.usefixtures("package_logger_restored")
+def test_simulated_hosts_on_a_gpu_machine_stop_before_any_process(tmp_path, monkeypatch, capsys):
+    from torchtitan_rl.train import main
+
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    monkeypatch.setenv("CONFIG_FILE", "train_configs/alphabet_sort_tiny.toml")
+    argv = [f"--job.output_dir={tmp_path}", "--parallelism.trainer_procs=2",
+            "--launcher.kind=process", "--launcher.trainer_hosts=2"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert 'launcher.kind = "process" simulates hosts on one machine' in err
+    assert not any(tmp_path.iterdir())

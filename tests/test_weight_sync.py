@@ -23,6 +23,7 @@ from torchtitan_rl.models.qwen3 import ModelConfig, build_model
 from torchtitan_rl.training.trainer import TrainerCore
 from torchtitan_rl.training.trainer_config import TrainingConfig
 from torchtitan_rl.weight_sync import packing
+from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
 from torchtitan_rl.weight_sync.packing import (
     SharedWeights,
     gather_into,
@@ -289,6 +290,7 @@ class FakeTrainer:
             lambda dtype: [pack_weights({"w": torch.ones(2)}, self.version), None]
         )
         self.open_broadcast = _Endpoint(lambda dtype, receivers: ["group", None])
+        self.form_broadcast = _Endpoint(lambda: [None, None])
         self.broadcast_weights = _Endpoint(lambda: [self.version, None])
 
     def _share(self, dtype, receivers):
@@ -311,6 +313,43 @@ def test_a_broadcast_group_that_cannot_open_falls_back_to_the_controller():
     assert sync.transport is WeightTransport.CONTROLLER
     asyncio.run(sync())
     assert gens[0].loaded == [("packed", 3)]
+
+
+def test_a_broadcast_group_that_cannot_form_falls_back_to_the_controller():
+    """An address the generators cannot reach fails while the group forms, at start."""
+    trainer = FakeTrainer(None)
+
+    async def unreachable():
+        raise RuntimeError("DistStoreError: wait timeout after 60000ms, keys: /0/1")
+
+    trainer.form_broadcast.call = unreachable
+    gens = [FakeGenerator([])]
+    sync = asyncio.run(WeightSync.create(trainer, gens, "float32"))
+    assert sync.transport is WeightTransport.CONTROLLER
+
+
+def test_a_broken_broadcast_reports_the_death_a_generator_learns_of_later():
+    """The trainer's gloo error comes first; the generator's call fails a moment later with
+    Monarch's report of its dead host: that report is what the run says."""
+    from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+
+    trainer, gens = FakeTrainer(None), [FakeGenerator([]), FakeGenerator([])]
+
+    async def reset():
+        raise RuntimeError("gloo: Connection reset by peer")
+
+    async def dies_later():
+        await asyncio.sleep(0.2)
+        raise SupervisionError("generator on host generator_1: its host stopped answering")
+
+    trainer.broadcast_weights.call = reset
+    gens[1].receive_weights.call_one = dies_later
+    sync = WeightSync(trainer, gens, "float32", WeightTransport.BROADCAST)
+    with pytest.raises(SupervisionError, match="host generator_1"):
+        asyncio.run(sync())
+    sync.peer_failure_wait_s = 0.05  # the report comes too late: the gloo error, as one line
+    with pytest.raises(BroadcastBroken, match="the weight broadcast failed: .*reset by peer"):
+        asyncio.run(sync())
 
 
 class FakeGenerator:
@@ -423,6 +462,12 @@ def test_a_broadcast_delivers_the_version_and_the_buffer_bit_for_bit(dtype):
     layout, numel = make_layout(state)
     sender = BroadcastSender(layout, numel, dtype, receivers=2)
     receivers = [BroadcastReceiver(sender.group, rank) for rank in (1, 2)]
+    forming = [threading.Thread(target=r.form) for r in receivers]  # every member at once
+    for t in forming:
+        t.start()
+    sender.form()
+    for t in forming:
+        t.join()
     for version in (4, 5):
         gather_into(state, sender.flat_P)
         got = [None, None]

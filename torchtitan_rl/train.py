@@ -87,7 +87,14 @@ def _train(config, debug: bool) -> int:
         if config.launcher.kind in ("local", "process"):  # else the GPUs are on other hosts
             from torchtitan_rl.controller.placement import plan
 
-            plan(config.parallelism, config.generator.num_replicas, config.generator.backend)
+            placement = plan(
+                config.parallelism, config.generator.num_replicas, config.generator.backend
+            )
+            if placement.gpus and config.launcher.kind == "process":
+                raise ValueError(
+                    'launcher.kind = "process" simulates hosts on one machine, where every '
+                    'host would take GPU 0; valid with it: parallelism.device = "cpu"'
+                )
         controller = Controller(config)
         done = controller.completed_step()
         if done >= controller.last_step():

@@ -4,6 +4,7 @@ backend except construction and `weights`."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import numpy as np
@@ -117,8 +118,11 @@ class GeneratorActor(Actor):
 
     @concurrent_endpoint
     async def join_broadcast(self, group: BroadcastGroup, rank: int) -> None:
-        """Become member `rank` of the trainer's weight group (formed at the first receive)."""
-        self.receiver = BroadcastReceiver(group, rank)
+        """Become member `rank` of the trainer's weight group: returns once the group has
+        formed (the trainer's `form_broadcast` runs meanwhile)."""
+        receiver = BroadcastReceiver(group, rank)
+        await asyncio.to_thread(receiver.form)
+        self.receiver = receiver
 
     @concurrent_endpoint
     async def receive_weights(self) -> int:

@@ -145,6 +145,13 @@ class TrainerActor(Actor):
         return self.sender.group
 
     @endpoint
+    async def form_broadcast(self) -> None:
+        """Rank 0 meets every generator of the group (each in `join_broadcast` meanwhile)."""
+        if self.rank == 0:
+            assert self.sender is not None, "open_broadcast first"
+            self.sender.form()
+
+    @endpoint
     async def broadcast_weights(self) -> int | None:
         """Every rank gathers; rank 0 packs the full weights into its buffer and broadcasts
         them to every generator of the group (which must be receiving meanwhile); returns
@@ -154,6 +161,9 @@ class TrainerActor(Actor):
             gather_into(state, None)
             return None
         assert self.sender is not None, "open_broadcast first"
+        layout, _ = make_layout(state)
+        if not self.sender.fits(layout, self.sender.flat_P.dtype):
+            raise RuntimeError("the weights' layout changed since the broadcast group opened")
         gather_into(state, self.sender.flat_P)
         self.sender.send(self.core.policy_version)
         return self.core.policy_version

@@ -44,8 +44,8 @@ class ParallelismConfig:
     placement: PlacementMode = "auto"
     """Where generator replicas run on a GPU host (the trainer takes GPUs 0..trainer_procs-1):
     "split" (replica i on GPU trainer_procs + i; fails at start when GPUs are short),
-    "shared" (replica i on the trainer's GPU i % trainer_procs), or "auto" ("split" when the
-    GPUs suffice, else "shared"). The log and the run summary name each process's GPU.
+    "shared" (replica i on the trainer's GPU i % trainer_procs), or "auto" (a GPU of its own
+    while spare GPUs last, then the spare GPUs take turns; "shared" when there is none). The log and the run summary name each process's GPU.
     No effect on CPU."""
     cpu_threads_per_proc: int = 0
     """torch threads in each trainer/generator process on CPU; 0 = the cores this process may

@@ -178,6 +178,7 @@ class Controller:
         self.weight_sync = await WeightSync.create(
             self.trainer, self.generators, cfg.generator.dtype
         )
+        self.weight_sync.peer_failure_wait_s = max(30.0, cfg.launcher.host_timeout_s + 20.0)
         logger.info("weight sync: %s", self.weight_sync.transport)
         record_processes(self.run_dir, await ask_processes(self.trainer, self.generators))
         if state is not None:

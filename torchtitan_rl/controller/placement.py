@@ -10,7 +10,8 @@ The trainer takes the first `trainer_procs` GPUs (rank r on GPU r). `parallelism
 says where the generator replicas go:
 - "split": replica i on GPU trainer_procs + i; needs trainer_procs + replicas GPUs.
 - "shared": replica i on the trainer's GPU i % trainer_procs (one GPU does both jobs).
-- "auto": "split" when the GPUs suffice, else "shared".
+- "auto": replica i on GPU trainer_procs + i % (GPUs left after the trainer's): a GPU of
+  its own while they last, then the generator GPUs take turns; "shared" when none is left.
 The indices are the host's CUDA device indices as the controller sees them; every process
 inherits that view (Monarch does not narrow CUDA_VISIBLE_DEVICES) and takes its GPU by
 index, so a generator can still open trainer rank 0's buffer over CUDA IPC from another
@@ -70,8 +71,8 @@ def place(*, gpus: int, trainer_procs: int, replicas: int, mode: PlacementMode) 
             f"generator.num_replicas = {trainer_procs} + {replicas} GPUs, but {gpus} are "
             f'visible; valid: fewer processes, or parallelism.placement = "shared" | "auto"'
         )
-    if mode == "split" or (mode == "auto" and replicas <= free):
-        generators = tuple(trainer_procs + i for i in range(replicas))
+    if mode == "split" or (mode == "auto" and free):
+        generators = tuple(trainer_procs + i % free for i in range(replicas))
     else:
         generators = tuple(i % trainer_procs for i in range(replicas))
     return Placement(trainer=trainer, generators=generators, gpus=gpus)
@@ -87,7 +88,11 @@ def plan(parallelism: ParallelismConfig, replicas: int, backend: str = "native")
                 'parallelism.placement = "split" is not available with generator.backend = '
                 '"vllm" (vLLM starts its engine on GPU 0); valid: "auto" or "shared"'
             )
-        parallelism = dataclasses.replace(parallelism, placement="shared")
+        p = place(
+            gpus=parallelism.gpu_count(), trainer_procs=parallelism.trainer_procs,
+            replicas=replicas, mode="shared",
+        )  # fmt: skip
+        return dataclasses.replace(p, generators=(0,) * replicas)
     return place(
         gpus=parallelism.gpu_count(),
         trainer_procs=parallelism.trainer_procs,

@@ -6,9 +6,11 @@ a process group of their own, never through the controller.
 
 Once per run, rank 0 opens the group (`BroadcastSender`, a free port on its host) and
 returns a `BroadcastGroup` record: where to meet, plus the layout every receiver allocates
-for. At each sync both sides enter the same two broadcasts: the policy version (one int64),
-then the packed buffer (`packing.py` layout). The first sync also forms the group, so the
-sender and every receiver must be called at the same time (`WeightSync` does).
+for. Then every member forms the group at once (`form`, within FORM_TIMEOUT, and one small
+broadcast through it), so an address the generators cannot reach shows at start, where
+`WeightSync.create` falls back to the controller path. At each sync both sides enter the same
+two broadcasts: the policy version (one int64), then the packed buffer (`packing.py`
+layout).
 
 Why gloo and not Monarch's RDMABuffer here: on this 2-core VM, TCP loopback, gloo moved
 268 MB in 0.08 s (3.2 GB/s) where RDMABuffer's TCP fallback (no ibverbs) moved 67 MB in
@@ -34,6 +36,10 @@ enough for a 32B model in bf16 (64 GB) at ~1 GB/s; a dead member ends the run so
 through the Supervisor."""
 
 
+FORM_TIMEOUT = timedelta(seconds=60)
+"""How long forming the group may take (every member meeting at the store)."""
+
+
 class BroadcastBroken(RuntimeError):
     """A weight broadcast failed on some member, most likely because another member's
     process died (gloo: "Connection closed by peer"). The Supervisor waits a moment for
@@ -55,7 +61,13 @@ class BroadcastGroup:
 
 
 def _group(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
-    return dist.ProcessGroupGloo(store, rank, size, BROADCAST_TIMEOUT)
+    """The group over `store` (which forming waits on for FORM_TIMEOUT); its broadcasts may
+    each take BROADCAST_TIMEOUT."""
+    store.set_timeout(FORM_TIMEOUT)
+    pg = dist.ProcessGroupGloo(store, rank, size, BROADCAST_TIMEOUT)
+    _broadcast(pg, torch.zeros(1, dtype=torch.int64))  # every pair connected and answering
+    store.set_timeout(BROADCAST_TIMEOUT)
+    return pg
 
 
 def _broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> None:
@@ -84,10 +96,13 @@ class BroadcastSender:
     def fits(self, layout: Layout, dtype: torch.dtype) -> bool:
         return layout == self.group.layout and dtype == self.group.dtype
 
+    def form(self) -> None:
+        """Meet every receiver (each in `BroadcastReceiver.form` meanwhile)."""
+        self._pg = _group(self.store, 0, self.group.world_size)
+
     def send(self, version: int) -> None:
         """Broadcast `version`, then `flat_P`; returns once every receiver has it."""
-        if self._pg is None:
-            self._pg = _group(self.store, 0, self.group.world_size)
+        assert self._pg is not None, "form the group first"
         _broadcast(self._pg, torch.tensor([version], dtype=torch.int64))
         _broadcast(self._pg, self.flat_P)
 
@@ -102,15 +117,15 @@ class BroadcastReceiver:
         self.rank = rank
         self._pg: dist.ProcessGroup | None = None
 
-    def _join(self) -> dist.ProcessGroup:
+    def form(self) -> None:
+        """Meet the sender and the other receivers (the sender in `form` meanwhile)."""
         g = self.group
         store = dist.TCPStore(g.addr, g.port, g.world_size, is_master=False,
-                              timeout=BROADCAST_TIMEOUT)  # fmt: skip
-        return _group(store, self.rank, g.world_size)
+                              timeout=FORM_TIMEOUT)  # fmt: skip
+        self._pg = _group(store, self.rank, g.world_size)
 
     def receive_blocking(self) -> PackedWeights:
-        if self._pg is None:
-            self._pg = self._join()
+        assert self._pg is not None, "form the group first"
         version = torch.zeros(1, dtype=torch.int64)
         _broadcast(self._pg, version)
         flat_P = torch.empty(self.group.numel, dtype=self.group.dtype)

@@ -45,6 +45,12 @@ async def choose_transport(trainer, generators) -> WeightTransport:
     return WeightTransport.BROADCAST
 
 
+PEER_FAILURE_WAIT_S = 30.0
+"""After one member of a broadcast failed, how long the others get to fail with their own
+error (Monarch reports a dead process ~10 s after, a dead host after launcher.host_timeout_s
+plus ~9 s; `Controller.start` sets it from host_timeout_s)."""
+
+
 class WeightSync:
     """`await weight_sync()` pushes the trainer's current weights, in `dtype` ("float32" |
     "bfloat16", the generators' dtype), to every generator; returns the seconds it took."""
@@ -56,6 +62,7 @@ class WeightSync:
         self.transport = transport
         self.version: int | None = None
         """The policy version the last sync delivered (None before the first)."""
+        self.peer_failure_wait_s = PEER_FAILURE_WAIT_S
 
     @classmethod
     async def create(cls, trainer, generators, dtype: str) -> WeightSync:
@@ -71,11 +78,14 @@ class WeightSync:
         return sync
 
     async def open_broadcast(self) -> None:
-        """Trainer rank 0 opens the group; generator i becomes its member i + 1."""
+        """Trainer rank 0 opens the group; generator i becomes its member i + 1; all of them
+        form it together (within broadcast.FORM_TIMEOUT), so a trainer address the generators
+        cannot reach fails here, where `create` falls back to the controller path."""
         out = await self.trainer.open_broadcast.call(self.dtype, len(self.generators))
         group = _rank0(out)
         await asyncio.gather(
-            *(g.join_broadcast.call_one(group, i + 1) for i, g in enumerate(self.generators))
+            self.trainer.form_broadcast.call(),
+            *(g.join_broadcast.call_one(group, i + 1) for i, g in enumerate(self.generators)),
         )
 
     async def __call__(self) -> float:
@@ -96,19 +106,40 @@ class WeightSync:
         return time.perf_counter() - t0
 
     async def _broadcast(self) -> int:
+        """One broadcast: the trainer sends while every generator receives. When one member
+        fails the others fail too, and a generator's call may fail only later, with Monarch's
+        report of the process that died (the more useful error): so after the first error
+        the others get PEER_FAILURE_WAIT_S to say theirs, and a death wins."""
+        calls = [
+            asyncio.ensure_future(self.trainer.broadcast_weights.call()),
+            *(asyncio.ensure_future(g.receive_weights.call_one()) for g in self.generators),
+        ]
         try:
-            sent, *received = await asyncio.gather(
-                self.trainer.broadcast_weights.call(),
-                *(g.receive_weights.call_one() for g in self.generators),
-            )
-        except ActorError as e:
-            if isinstance(e.exception, SupervisionError):  # a death Monarch reported first
-                raise
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            raise BroadcastBroken(f"the weight broadcast failed: {lines[-1]}") from e
+            _, pending = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
+            if pending:
+                await asyncio.wait(pending, timeout=self.peer_failure_wait_s)
+        finally:
+            for call in calls:
+                call.cancel() if not call.done() else None
+        over = [c for c in calls if c.done() and not c.cancelled()]
+        errors = [c.exception() for c in over if c.exception() is not None]
+        if errors:
+            deaths = [e for e in errors if _is_death(e)]
+            if deaths:
+                raise deaths[0]
+            lines = [line.strip() for line in str(errors[0]).splitlines() if line.strip()]
+            raise BroadcastBroken(f"the weight broadcast failed: {lines[-1]}") from errors[0]
+        sent, *received = [c.result() for c in calls]
         version = _rank0(sent)
         assert received == [version] * len(received), (version, received)
         return version
+
+
+def _is_death(error: BaseException) -> bool:
+    """A process's death as Monarch reports it to a call on it."""
+    if isinstance(error, ActorError):
+        error = error.exception
+    return isinstance(error, SupervisionError)
 
 
 def _rank0(values):
