@@ -299,3 +299,23 @@ def run_interpreted(test_module: str, fn: str = "check_interpreted", timeout: fl
         env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+async def run_until_a_kill_ends_it(controller, kill) -> tuple[str, float]:
+    """Run `controller` while the coroutine `kill()` kills a process (it returns the
+    perf_counter time of the kill); the run must end with ActorFailure. Returns (its one
+    line, seconds from the kill to it); the controller is closed either way."""
+    import time
+
+    import pytest
+
+    from torchtitan_rl.controller.supervision import ActorFailure
+
+    killer = asyncio.ensure_future(kill())
+    try:
+        with pytest.raises(ActorFailure) as failure:
+            await asyncio.wait_for(controller.run(), timeout=300)
+        return str(failure.value), time.perf_counter() - await killer
+    finally:
+        killer.cancel()
+        await controller.close()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes import run_until_a_kill_ends_it
 
 from torchtitan_rl.controller.checkpoints import CheckpointStore
 from torchtitan_rl.controller.loop import Controller
@@ -82,6 +83,25 @@ def test_a_failure_report_ends_a_hung_await_within_the_grace_period():
     assert asyncio.run(scenario()) < 5
 
 
+def test_a_report_after_the_run_closed_is_logged_not_raised(caplog):
+    """A dead process's per-proc actors report ~10 s after it: by then the run may have
+    closed, and Monarch's default hook would interrupt the main thread (seen in CI)."""
+    import logging
+
+    import monarch.actor
+
+    supervisor = Supervisor(("trainer", "generator"))
+
+    async def scenario():
+        supervisor.install()
+        supervisor.uninstall()
+
+    asyncio.run(scenario())
+    with caplog.at_level(logging.DEBUG, logger="torchtitan_rl"):
+        monarch.actor.unhandled_fault_hook(_Failure(LOGGER))  # returns: handled
+    assert "a process of a closed run reported late" in caplog.text
+
+
 @pytest.mark.slow
 def test_killed_generator_ends_the_run_with_a_clear_error(tmp_path):
     from test_resume import tiny_config
@@ -97,17 +117,9 @@ def test_killed_generator_ends_the_run_with_a_clear_error(tmp_path):
         os.kill(pid, signal.SIGKILL)
         return time.perf_counter()
 
-    async def scenario():
-        killer = asyncio.ensure_future(kill_after_first_checkpoint())
-        try:
-            with pytest.raises(ActorFailure) as failure:
-                await asyncio.wait_for(controller.run(), timeout=300)
-            return str(failure.value), time.perf_counter() - await killer
-        finally:
-            killer.cancel()
-            await controller.close()
-
-    message, seconds = asyncio.run(scenario())
+    message, seconds = asyncio.run(
+        run_until_a_kill_ends_it(controller, kill_after_first_checkpoint)
+    )
     assert message.startswith("generator failed during RL step") and "\n" not in message
     assert "Killed(sig=9)" in message
     assert seconds < 30, f"noticed {seconds:.0f} s after the kill"

@@ -9,11 +9,11 @@ import time
 
 import pytest
 import torch
+from fakes import run_until_a_kill_ends_it
 from test_hosts_end_to_end import HOSTS, _alive, _config
 
 from torchtitan_rl.controller.checkpoints import CheckpointStore
 from torchtitan_rl.controller.loop import Controller
-from torchtitan_rl.controller.supervision import ActorFailure
 
 
 def _kill_host(host_pid: int) -> list[int]:
@@ -50,17 +50,9 @@ def test_a_dead_generator_host_ends_the_run_with_one_line_naming_it(tmp_path):
         assert _kill_host(hosts["generator_0"].pid)
         return time.perf_counter()
 
-    async def scenario():
-        killer = asyncio.ensure_future(kill_generator_host_after_a_checkpoint())
-        try:
-            with pytest.raises(ActorFailure) as failure:
-                await asyncio.wait_for(controller.run(), timeout=300)
-            return str(failure.value), time.perf_counter() - await killer
-        finally:
-            killer.cancel()
-            await controller.close()
-
-    message, seconds = asyncio.run(scenario())
+    message, seconds = asyncio.run(
+        run_until_a_kill_ends_it(controller, kill_generator_host_after_a_checkpoint)
+    )
     assert message.startswith("generator failed during RL step ") and "\n" not in message
     assert "(rank 0 on host generator_0): its host stopped answering" in message, message
     assert seconds < 30, f"noticed {seconds:.0f} s after the kill"

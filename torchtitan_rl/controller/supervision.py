@@ -20,6 +20,7 @@ surfaces once it has been silent for launcher.host_timeout_s:
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import Awaitable
 from pathlib import Path
@@ -36,6 +37,7 @@ from torchtitan_rl.actors.fault_log import fault_log_path
 from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 PEER_REPORT_WAIT_S = 30.0
 """After a collective broke (`BroadcastBroken`), how long to wait for Monarch's report of the
@@ -64,6 +66,13 @@ def _actors(report: str) -> list[tuple[str, int]]:
             rank = rank * int(size) + int(index)
         found.append((name, rank))
     return found
+
+
+def after_run_report(failure) -> None:
+    """Monarch's fault hook between runs: a process of a closed run reporting its end late.
+    The run already said what failed; the report goes to the debug log."""
+    lines = failure.report().strip().splitlines()
+    logger.debug("a process of a closed run reported late: %s", lines[-1] if lines else "")
 
 
 class ActorFailure(RuntimeError):
@@ -117,8 +126,12 @@ class Supervisor:
         monarch.actor.unhandled_fault_hook = self._on_failure
 
     def uninstall(self) -> None:
+        """Hand reports to `after_run_report`, not back to Monarch's default hook: a stopped
+        process's report can arrive seconds after the run closed (a dead process's per-proc
+        actors report ~10 s after it), and the default hook would interrupt whatever this
+        process does by then."""
         if self._previous_hook is not None:
-            monarch.actor.unhandled_fault_hook = self._previous_hook
+            monarch.actor.unhandled_fault_hook = after_run_report
             self._previous_hook = None
 
     def _on_failure(self, failure) -> None:
