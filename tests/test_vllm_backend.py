@@ -35,7 +35,11 @@ PROMPT = np.arange(1, 41, dtype=np.int32)  # 40 tokens: one full 32-token block 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """A vLLM engine and a native engine with the same fp32 weights, in one event loop."""
+    """A vLLM engine and a native engine with the same fp32 weights, in one event loop. Started
+    with flask's unbound proxies imported, as they are in any process that imported Monarch's
+    job classes (vllm_engine._unscannable_modules_hidden: without it, vLLM's start fails)."""
+    import flask.globals  # noqa: F401  (a torchmonarch dependency)
+
     torch.manual_seed(0)
     model = build_model(ModelConfig(), VOCAB, torch.device("cpu"))
     folder = export_hf(model.state_dict(), model.model_args, tmp_path_factory.mktemp("hf") / "m")

@@ -28,10 +28,12 @@ once they have finished, so new requests wait in our queue until then (or, with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,6 +103,29 @@ def kv_cache_bytes(config: EngineConfig, hf_config: dict) -> int:
     return config.total_blocks() * config.block_size * per_token
 
 
+@contextlib.contextmanager
+def _unscannable_modules_hidden():
+    """While vLLM starts, modules holding an unbound werkzeug LocalProxy leave sys.modules.
+    vLLM's CPU kernel overrides scan every module's attributes with `hasattr`
+    (vllm/triton_utils/dispatcher.py, `_rebind_kernels`), and an unbound proxy (flask's
+    `request`, `g`, ...; importing Monarch's job classes imports flask for its dashboard)
+    raises RuntimeError there instead of AttributeError, so the engine failed to start."""
+    try:
+        from werkzeug.local import LocalProxy
+    except ImportError:
+        yield
+        return
+    hidden = {}
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None) or {}
+        if any(issubclass(type(v), LocalProxy) for v in list(namespace.values())):
+            hidden[name] = sys.modules.pop(name)
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+
+
 def start_vllm_engine(
     hf_folder: str, config: EngineConfig, device: torch.device, *, state_dict_adapter
 ) -> VllmEngine:
@@ -134,7 +159,8 @@ def start_vllm_engine(
         max_logprobs=-1,
     )
     quiet_vllm_logs()
-    llm = LLMEngine.from_engine_args(args)
+    with _unscannable_modules_hidden():
+        llm = LLMEngine.from_engine_args(args)
     features = detect_features(llm)
     logger.info("vLLM %s on %s: %s", vllm.__version__, device, features.describe())
     return VllmEngine(
