@@ -69,32 +69,6 @@ s4() {  # all four GPUs, most wanted first
     --prompts 32 --skip $SKIP --common "$COMMON" > "$RESULTS/s4_2p2.log" 2>&1
 }
 
-# a short session (about 10 device minutes): the 64-rollout rows and both 2-GPU tests
-q1() {
-  CUDA_VISIBLE_DEVICES=0,1 python -m pytest -o addopts="" -q tests/test_two_gpus.py -m "not vllm" \
-    > "$RESULTS/q1_pytest_two_gpus.log" 2>&1 &
-  async 2,3 q1_split_p8 1+1 8 &
-  wait
-}
-
-q2() {
-  (
-    for _ in $(seq 30); do [ -d /tmp/vsite/vllm ] && break; sleep 10; done
-    source .vllm5/install.sh
-    CUDA_VISIBLE_DEVICES=0,1 python -m pytest -o addopts="" -q tests/test_two_gpus.py -m vllm \
-      > "$RESULTS/q2_pytest_two_gpus_vllm.log" 2>&1
-  ) &
-  async 2 q2_shared_p8_n0 1+1:shared 8 0 &
-  async 3 q2_shared_p8_n1 1+1:shared 8 1 &
-  wait
-}
-
-q3() {
-  async 0,1,2,3 q3_1p3_p8 1+3 8 1
-  CUDA_VISIBLE_DEVICES=0,1 python scripts/bench_gpu_transport.py --out "$RESULTS/q3_transport" \
-    > "$RESULTS/q3_transport.log" 2>&1
-}
-
 stages=${*:-s1 s2 s3 s4}
 for s in $stages; do
   echo "$(date +%T) $s start" >> "$RESULTS/progress.txt"

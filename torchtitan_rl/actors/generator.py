@@ -62,6 +62,7 @@ class GeneratorActor(Actor):
         placement gave this replica (None: GPU 0)."""
         self.fault_log = enable_fault_log(log_dir, actor_name, 0)
         self.actor_name = actor_name
+        # sets the current GPU for this thread, which in Monarch 0.7 also runs every endpoint
         dev = self.device = pick_device(device, cpu_threads, gpu)
         self.engine = build_engine(model, engine, vocab_size, dev, hf_folder)
         self.shared_reader = SharedReader(dev)
@@ -76,19 +77,12 @@ class GeneratorActor(Actor):
         session_id: str | None,
         sampling: SamplingParams,
     ) -> Completion:
-        self._on_device()
         try:
             return await self.engine.generate(
                 prompt_ids, request_id=request_id, session_id=session_id, sampling=sampling
             )
         except Exception as e:  # an escaping error would kill the actor: report it per request
             return error_completion(request_id, f"{type(e).__name__}: {e}")
-
-    def _on_device(self) -> None:
-        """Endpoints may run on threads of their own; torch's current GPU is per thread, so
-        each sets it to this process's GPU before it touches CUDA."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
 
     @concurrent_endpoint
     async def load_weights(self, packed: PackedWeights) -> int:
@@ -111,7 +105,6 @@ class GeneratorActor(Actor):
         """Copy the trainer's GPU buffer (CUDA IPC, `shared.handles[receiver]`) into this
         process's memory, then queue it like `load_weights`. Returns the version once the
         copy has finished: from then on the trainer may overwrite its buffer."""
-        self._on_device()
         packed = self.shared_reader.read(shared, receiver)
         self.engine.load_weights(unpack_weights(packed), packed.version)
         return packed.version
