@@ -30,6 +30,17 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = Tokenizer.from_file(None).vocab_size
 TOL = 1e-4
+VLLM_JOB = [
+    "--generator.backend=vllm",
+    "--generator.block_size=32",
+    "--generator.max_num_seqs=16",
+    "--warm_start.steps=2",
+    "--warm_start.batch_size=4",
+    "--rollout.group_size=4",
+    "--rollout.prompts_per_step=2",
+    "--rollout.max_tokens=16",
+]
+"""The tiny job on vLLM, small enough for CPU tests (the RL-step tests add their own keys)."""
 PROMPT = np.arange(1, 41, dtype=np.int32)  # 40 tokens: one full 32-token block to share
 
 
@@ -208,14 +219,7 @@ def test_three_rl_steps_through_monarch_with_vllm(tmp_path):
         [
             f"--job.output_dir={tmp_path}",
             "--job.run_name=vllm",
-            "--generator.backend=vllm",
-            "--generator.block_size=32",
-            "--generator.max_num_seqs=16",
-            "--warm_start.steps=2",
-            "--warm_start.batch_size=4",
-            "--rollout.group_size=4",
-            "--rollout.prompts_per_step=2",
-            "--rollout.max_tokens=16",
+            *VLLM_JOB,
             "--rollout.top_p=0.8",
             "--rollout.filter_zero_std_groups=false",
             "--env.max_turns=2",
@@ -254,14 +258,7 @@ def test_rl_steps_ahead_of_training_with_vllm(tmp_path):
         [
             f"--job.output_dir={tmp_path}",
             "--job.run_name=vllm_ahead",
-            "--generator.backend=vllm",
-            "--generator.block_size=32",
-            "--generator.max_num_seqs=16",
-            "--warm_start.steps=2",
-            "--warm_start.batch_size=4",
-            "--rollout.group_size=4",
-            "--rollout.prompts_per_step=2",
-            "--rollout.max_tokens=16",
+            *VLLM_JOB,
             "--rollout.filter_zero_std_groups=false",
             "--rollout.max_staleness=1",
             "--rollout.ahead=streaming",
