@@ -13,6 +13,14 @@
 # s3: the same at 256 rollouts on GPUs 0-1; weight transports across GPUs 2-3
 # s4: 1 trainer + 3 generator GPUs, N = 1; the Qwen3-4B shape and the 0.6B with FSDP over 2
 #     trainer GPUs + 2 generator GPUs, N = 1
+#
+# On a 2-GPU host (RESULTS=... bash scripts/bench_placement.sh t1 t2 t3 t4 t5):
+# t1: 1 GPU shared, 64 rollouts on GPU 0 beside 256 rollouts on GPU 1, N = 0, 1, 1s
+# t2: 1 trainer GPU + 1 generator GPU, 64 rollouts, N = 0, 1, 1s
+# t3: tests/test_two_gpus.py (native; vllm too once /tmp/vsite holds vLLM), then the weight
+#     transports and the weight-sync time across the two GPUs
+# t4: 1 trainer GPU + 1 generator GPU, 256 rollouts, N = 0, 1, 1s
+# t5: the Qwen3-4B shape, FSDP over both GPUs, a generator on each (shared), N = 1
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${RESULTS:-/tmp/bench_placement}
@@ -67,6 +75,38 @@ s4() {  # all four GPUs, most wanted first
     > "$RESULTS/s4_4b.log" 2>&1
   python scripts/bench_async.py --out "$RESULTS/s4_2p2" --layouts 2+2 --staleness 1 \
     --prompts 32 --skip $SKIP --common "$COMMON" > "$RESULTS/s4_2p2.log" 2>&1
+}
+
+t1() {
+  async 0 t1_shared_p8 1+1:shared 8 0 1 1s &
+  async 1 t1_shared_p32 1+1:shared 32 0 1 1s &
+  wait
+}
+
+t2() { async 0,1 t2_split_p8 1+1 8 0 1 1s; }
+
+t3() {
+  export CUDA_VISIBLE_DEVICES=0,1
+  python -m pytest -o addopts="" -q tests/test_two_gpus.py -k native \
+    > "$RESULTS/t3_pytest_two_gpus_native.log" 2>&1
+  python scripts/bench_gpu_transport.py --out "$RESULTS/t3_transport" > "$RESULTS/t3_transport.log" 2>&1
+  for g in 1 0; do
+    python scripts/bench_weight_sync.py --generator-gpu $g --out "$RESULTS/t3_sync_06b_gpu$g" \
+      > "$RESULTS/t3_sync_06b_gpu$g.log" 2>&1
+  done
+  if [ -d /tmp/vsite/vllm ]; then
+    (source .vllm5/install.sh && python -m pytest -o addopts="" -q tests/test_two_gpus.py -k vllm) \
+      > "$RESULTS/t3_pytest_two_gpus_vllm.log" 2>&1
+  fi
+  unset CUDA_VISIBLE_DEVICES
+}
+
+t4() { async 0,1 t4_split_p32 1+1 32 0 1 1s; }
+
+t5() {
+  CUDA_VISIBLE_DEVICES=0,1 python scripts/bench_async.py --out "$RESULTS/t5_4b" --layouts 2+2:shared \
+    --staleness 1 --prompts 8 --skip $SKIP \
+    --common "$COMMON --model.flavor=4B --batcher.rows_per_microbatch=2" > "$RESULTS/t5_4b.log" 2>&1
 }
 
 stages=${*:-s1 s2 s3 s4}

@@ -64,19 +64,18 @@ def main() -> None:
     variants = [v.split(":", 1) for v in args.variant]
     pending = [(n.strip(), shlex.split(args.common) + shlex.split(o)) for n, o in variants]
     running: dict[str, tuple[subprocess.Popen, float]] = {}
-    rows, cores = [], os.cpu_count() or 1
-    free = list(range(0, cores - cores % max(args.cpus_per_run, 1), max(args.cpus_per_run, 1)))
-    slots: dict[str, int] = {}
+    rows, cores = [], sorted(os.sched_getaffinity(0))  # run under taskset to keep cores free
+    width = max(args.cpus_per_run, 1)
+    free = [cores[i : i + width] for i in range(0, len(cores) - len(cores) % width, width)]
+    slots: dict[str, list[int]] = {}
     while pending or running:
         while pending and len(running) < args.parallel:
             name, overrides = pending.pop(0)
             cmd = [str(ROOT / "run_train.sh"), *overrides]
             cmd += [f"--job.output_dir={out}", f"--job.run_name={name}"]
             if args.cpus_per_run:
-                first = free.pop(0)
-                slots[name] = first
-                span = f"{first}-{first + args.cpus_per_run - 1}"
-                cmd = ["taskset", "-c", span, *cmd]
+                slots[name] = free.pop(0)
+                cmd = ["taskset", "-c", ",".join(map(str, slots[name])), *cmd]
             log = open(out / f"{name}.log", "w")
             running[name] = (subprocess.Popen(cmd, stdout=log, stderr=log), time.time())
         time.sleep(2)
