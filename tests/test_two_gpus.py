@@ -85,6 +85,10 @@ def test_three_rl_steps_on_two_gpus_hold_the_trainer_weights_bit_for_bit(tmp_pat
             "--generator.cuda_graphs=false",
             "--warm_start.steps=2",
             "--warm_start.batch_size=4",
+            # 2 warm-start steps leave every group at reward 0: filtered, nothing would
+            # train and a step would have no trainer/policy_version
+            "--rollout.filter_zero_std_groups=false",
+            "--rollout.batch_timeout_s=300",  # a stuck generator says what it was doing
             "--validation.interval=0",
             "--checkpoint.interval=0",
         ],
@@ -109,7 +113,10 @@ def test_three_rl_steps_on_two_gpus_hold_the_trainer_weights_bit_for_bit(tmp_pat
         finally:
             await controller.close()
 
-    checks, transport = asyncio.run(run())
+    async def watched():  # as Controller.run: a dead process ends the test in seconds
+        return await controller.supervisor.watch(run())
+
+    checks, transport = asyncio.run(watched())
     assert transport is WeightTransport.CUDA_IPC  # the generator opens GPU 0's buffer
     assert [(p, v) for p, v, _ in checks] == [(3, 3), (4, 4), (5, 5)]
     processes = json.loads((controller.run_dir / "processes.json").read_text())

@@ -166,6 +166,33 @@ def test_hot_swap_versions_are_the_same_with_or_without_vllm_labels(fake):
     assert llm.events[-1] == "shutdown"
 
 
+class FakeHolding(Fake026):
+    """vLLM still holds a request the engine no longer tracks (one it let go of but vLLM
+    has not finished): the prefix cache will not reset until a step finishes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.requests["leftover"] = (SimpleNamespace(max_tokens=1), [], [])
+
+
+def test_a_pull_while_vllm_holds_an_untracked_request_does_not_stall_the_queue():
+    llm = FakeHolding()
+
+    async def main():
+        engine = _engine(llm)
+        engine.load_weights({"w": torch.tensor(1)}, 1)
+        request = engine.generate(
+            np.array([1, 2]), request_id="r", sampling=SamplingParams(max_tokens=2)
+        )
+        out = await asyncio.wait_for(request, timeout=10)
+        await engine.close()
+        return out
+
+    out = asyncio.run(main())
+    assert out.token_ids_N.tolist() == [1, 1]
+    assert llm.events.index("finish leftover") < llm.events.index("add r#0")
+
+
 def test_vllm_logs_keep_warnings_but_not_the_one_every_sync_repeats(package_logger_restored):
     import io
     import logging

@@ -230,6 +230,10 @@ class VllmEngine(EngineFront):
         """No request is admitted while a pull's prefix cache reset is still pending."""
         if self._cache_stale:
             self._cache_stale = not self._llm.reset_prefix_cache()
+            if self._cache_stale and not self._running:
+                # none of ours runs, yet vLLM still holds cache blocks (a request it has not
+                # let go of): nothing else would step it, so the queue would wait for ever
+                self._llm.step()
         return not self._cache_stale
 
     def _steps(self, num_steps: int) -> None:
