@@ -85,7 +85,7 @@ t1() {
 
 t2() { async 0,1 t2_split_p8 1+1 8 0 1 1s; }
 
-t3() {
+t3() (  # a subshell: the GPU list stays inside it
   export CUDA_VISIBLE_DEVICES=0,1
   python -m pytest -o addopts="" -q tests/test_two_gpus.py -k native \
     > "$RESULTS/t3_pytest_two_gpus_native.log" 2>&1
@@ -98,8 +98,7 @@ t3() {
     (source .vllm5/install.sh && python -m pytest -o addopts="" -q tests/test_two_gpus.py -k vllm) \
       > "$RESULTS/t3_pytest_two_gpus_vllm.log" 2>&1
   fi
-  unset CUDA_VISIBLE_DEVICES
-}
+)
 
 t4() { async 0,1 t4_split_p32 1+1 32 0 1 1s; }
 
