@@ -11,8 +11,8 @@
 # s2: tests/test_two_gpus.py, both backends (waits for vLLM in /tmp/vsite), on GPUs 0-1;
 #     1 trainer GPU + 1 generator GPU, 64 rollouts, N = 0 and 1, on GPUs 2-3
 # s3: the same at 256 rollouts on GPUs 0-1; weight transports across GPUs 2-3
-# s4: 1 trainer + 3 generator GPUs, N = 1; the Qwen3-4B shape and the 0.6B with FSDP over 2
-#     trainer GPUs + 2 generator GPUs, N = 1
+# s4: 1 trainer + 3 generator GPUs, N = 0 and 1; the 0.6B with FSDP over 2 trainer GPUs + 2
+#     generator GPUs, N = 1; the Qwen3-4B shape the same way
 #
 # On a 2-GPU host (RESULTS=... bash scripts/bench_placement.sh t1 t2 t3 t4 t5):
 # t1: 1 GPU shared, 64 rollouts on GPU 0 beside 256 rollouts on GPU 1, N = 0, 1, 1s
@@ -68,13 +68,13 @@ s3() {  # the split runs at 256 rollouts beside the weight transports
 
 s4() {  # all four GPUs, most wanted first
   export CUDA_VISIBLE_DEVICES=0,1,2,3
-  python scripts/bench_async.py --out "$RESULTS/s4_1p3" --layouts 1+3 --staleness 1 \
+  python scripts/bench_async.py --out "$RESULTS/s4_1p3" --layouts 1+3 --staleness 0 1 \
     --prompts 32 8 --skip $SKIP --common "$COMMON" > "$RESULTS/s4_1p3.log" 2>&1
+  python scripts/bench_async.py --out "$RESULTS/s4_2p2" --layouts 2+2 --staleness 1 \
+    --prompts 32 --skip $SKIP --common "$COMMON" > "$RESULTS/s4_2p2.log" 2>&1
   python scripts/bench_async.py --out "$RESULTS/s4_4b" --layouts 2+2 --staleness 1 --prompts 8 \
     --skip $SKIP --common "$COMMON --model.flavor=4B --batcher.rows_per_microbatch=2" \
     > "$RESULTS/s4_4b.log" 2>&1
-  python scripts/bench_async.py --out "$RESULTS/s4_2p2" --layouts 2+2 --staleness 1 \
-    --prompts 32 --skip $SKIP --common "$COMMON" > "$RESULTS/s4_2p2.log" 2>&1
 }
 
 t1() {

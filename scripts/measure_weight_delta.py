@@ -30,7 +30,8 @@ weights), 50 warm-start steps, then 5 RL steps with AdamW at a constant learning
 step moves every weight by about lr, so whether its bf16 word changes depends on lr against
 the bf16 spacing at the weight's magnitude (2^-8 relative). At this project's learning rates
 most words change every step, and a delta (positions + values) would be larger than the
-buffer: no delta transport is built. The 0.6B shape is to be measured on a GPU host.
+buffer: no delta transport is built. The 0.6B shape on one H200 (2026-11-26, the second command
+above, lr 3e-4): 33.3% of words changed in RL step 1, 15.6% by step 8 (docs/hosts.md).
 """
 
 from __future__ import annotations
