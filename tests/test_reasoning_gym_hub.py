@@ -161,11 +161,12 @@ def test_a_hub_that_is_not_installed_is_one_line(monkeypatch):
     reasoning_gym_hub.reasoning_gym_environment.cache_clear()
 
 
-def test_the_config_runs_spell_backward_and_its_demonstrations_fit():
+@pytest.mark.parametrize("name", ["spell_backward_tiny", "number_filtering_tiny"])
+def test_each_reasoning_gym_config_loads_and_its_demonstrations_fit(name):
     from torchtitan_rl.models.renderer import Renderer
     from torchtitan_rl.models.tokenizer import Tokenizer
 
-    config = load_config(CONFIG)
+    config = load_config(ROOT / "train_configs" / f"{name}.toml")
     env = build_environment(config.env, 0, config.env_args())
     renderer = Renderer(Tokenizer.from_file(None))
     demos = [env.demonstration(env.train_sample(-i)) for i in range(1, 200)]
