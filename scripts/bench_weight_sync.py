@@ -211,12 +211,16 @@ async def run(args, device: str) -> dict:
         transports = [WeightTransport.BROADCAST, WeightTransport.CONTROLLER]
         if transport is WeightTransport.CUDA_IPC:
             transports.insert(0, WeightTransport.CUDA_IPC)
-        transports = [t for t in transports if str(t) in wanted]
-        for t in transports:
+        rows = [(str(t), t, None) for t in transports if str(t) in wanted]
+        if device == "cuda" and "broadcast" in wanted:  # NCCL, and gloo staged through CPUs
+            rows.insert(rows.index(("broadcast", WeightTransport.BROADCAST, None)) + 1,
+                        ("broadcast_gloo", WeightTransport.BROADCAST, "gloo"))  # fmt: skip
+        for key, t, backend in rows:
             sync = WeightSync(trainer, [generator], args.dtype, t)
             if t is WeightTransport.BROADCAST:
-                await sync.open_broadcast()
-            results[str(t)] = await time_calls(sync, args.repeats)
+                await sync.open_broadcast(backend)
+            results[key] = await time_calls(sync, args.repeats)
+            results[key]["backend"] = sync.backend
             side = None
             if t is WeightTransport.CUDA_IPC:
                 side = lambda: trainer.share_weights.call(args.dtype, 1)  # noqa: E731
@@ -224,8 +228,8 @@ async def run(args, device: str) -> dict:
                 side = lambda: trainer.publish_weights.call(args.dtype)  # noqa: E731
             if side is not None:
                 side_s = (await time_calls(side, args.repeats))["median_s"]
-                results[str(t)]["trainer_side_median_s"] = side_s
-            print(f"{t}: {results[str(t)]}", flush=True)
+                results[key]["trainer_side_median_s"] = side_s
+            print(f"{key}: {results[key]}", flush=True)
         results["generator_version"] = await generator.policy_version.call_one()
         await generator.close.call_one()
         if args.hosts and "rdma" in wanted:
@@ -278,7 +282,9 @@ def main() -> None:
 def print_table(results: dict) -> None:
     names = {
         "cuda_ipc": "ours (same host): CUDA IPC handle, device copy",
-        "broadcast": "ours: gloo broadcast, trainer rank 0 -> generators",
+        "broadcast": f"ours: {results.get('broadcast', {}).get('backend')} broadcast, trainer "
+        "rank 0 -> generators",
+        "broadcast_gloo": "gloo broadcast, CPU buffers (GPU -> CPU -> GPU)",
         "controller": "packed CPU buffer through the controller",
         "rdma": f"RDMABuffer read_into ({results.get('rdma', {}).get('backend')}), transfer only",
     }

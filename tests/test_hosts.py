@@ -72,6 +72,10 @@ def test_the_default_is_this_host_and_help_lists_the_section():
             "needs launcher.kubernetes_namespace",
         ),
         (["--launcher.host_timeout_s=0"], "launcher.host_timeout_s must be >= 1, got 0"),
+        (
+            ["--launcher.weight_transport=nccl"],
+            "launcher.weight_transport must be one of ('auto', 'broadcast', 'controller')",
+        ),
         (["--launcher.start_timeout_s=-1"], "launcher.start_timeout_s must be >= 0, got -1"),
     ],
 )

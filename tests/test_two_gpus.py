@@ -66,8 +66,17 @@ def assert_same_weights(held: dict, expected: dict) -> int:
     return compared
 
 
-@pytest.mark.parametrize("backend", ["native", pytest.param("vllm", marks=pytest.mark.vllm)])
-def test_three_rl_steps_on_two_gpus_hold_the_trainer_weights_bit_for_bit(tmp_path, backend):
+@pytest.mark.parametrize(
+    "backend, transport",
+    [
+        ("native", "auto"),  # CUDA IPC: the generator opens GPU 0's buffer
+        ("native", "broadcast"),  # NCCL from GPU 0 to GPU 1, as between two hosts
+        pytest.param("vllm", "auto", marks=pytest.mark.vllm),
+    ],
+)
+def test_three_rl_steps_on_two_gpus_hold_the_trainer_weights_bit_for_bit(
+    tmp_path, backend, transport
+):
     if backend == "vllm":
         pytest.importorskip("vllm")
     from torchtitan_rl.models.qwen3 import model_args
@@ -80,6 +89,7 @@ def test_three_rl_steps_on_two_gpus_hold_the_trainer_weights_bit_for_bit(tmp_pat
             f"--parallelism.trainer_procs={1 if backend == 'native' else 2}",
             f"--parallelism.placement={'split' if backend == 'native' else 'auto'}",
             f"--generator.backend={backend}",
+            f"--launcher.weight_transport={transport}",
             "--generator.dtype=bfloat16",
             "--generator.max_num_seqs=16",
             "--generator.cuda_graphs=false",
@@ -116,8 +126,11 @@ def test_three_rl_steps_on_two_gpus_hold_the_trainer_weights_bit_for_bit(tmp_pat
     async def watched():  # as Controller.run: a dead process ends the test in seconds
         return await controller.supervisor.watch(run())
 
-    checks, transport = asyncio.run(watched())
-    assert transport is WeightTransport.CUDA_IPC  # the generator opens GPU 0's buffer
+    checks, chosen = asyncio.run(watched())
+    if transport == "auto":
+        assert chosen is WeightTransport.CUDA_IPC
+    else:
+        assert chosen is WeightTransport.BROADCAST and controller.weight_sync.backend == "nccl"
     assert [(p, v) for p, v, _ in checks] == [(3, 3), (4, 4), (5, 5)]
     processes = json.loads((controller.run_dir / "processes.json").read_text())
     uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(2)]

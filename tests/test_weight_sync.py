@@ -289,7 +289,7 @@ class FakeTrainer:
         self.publish_weights = _Endpoint(
             lambda dtype: [pack_weights({"w": torch.ones(2)}, self.version), None]
         )
-        self.open_broadcast = _Endpoint(lambda dtype, receivers: ["group", None])
+        self.open_broadcast = _Endpoint(lambda dtype, receivers, backend: [backend, None])
         self.form_broadcast = _Endpoint(lambda: [None, None])
         self.broadcast_weights = _Endpoint(lambda: [self.version, None])
 
@@ -304,7 +304,7 @@ class FakeTrainer:
 def test_a_broadcast_group_that_cannot_open_falls_back_to_the_controller():
     trainer = FakeTrainer(None)
 
-    async def refuse(dtype, receivers):
+    async def refuse(dtype, receivers, backend):
         raise OSError("no free port")
 
     trainer.open_broadcast.call = refuse
@@ -353,8 +353,9 @@ def test_a_broken_broadcast_reports_the_death_a_generator_learns_of_later():
 
 
 class FakeGenerator:
-    def __init__(self, uuids):
+    def __init__(self, uuids, device="cpu"):
         self.cuda_uuids = _Endpoint(lambda: uuids)
+        self.where = _Endpoint(lambda: {"role": "generator", "device": device})
         self.loaded = []
         self.load_shared_weights = _Endpoint(
             lambda shared, i: self.loaded.append(("ipc", shared.handles[i]["receiver"]))
@@ -374,6 +375,26 @@ def test_cuda_ipc_only_when_every_generator_sees_the_trainer_gpu():
     assert choose(None, []) is WeightTransport.BROADCAST  # CPU
 
 
+@pytest.mark.parametrize("wanted", ["broadcast", "controller"])
+def test_launcher_weight_transport_forces_the_transport(wanted):
+    gens = [FakeGenerator(["gpu-0"], "cuda:0")]  # auto would pick CUDA IPC
+    sync = asyncio.run(WeightSync.create(FakeTrainer("gpu-0"), gens, "bfloat16", wanted))
+    assert sync.transport is WeightTransport(wanted)
+    assert sync.backend == ("nccl" if wanted == "broadcast" else None)
+
+
+def test_the_broadcast_group_is_nccl_only_when_every_member_is_on_a_gpu():
+    def backend(trainer_uuid, *devices):
+        gens = [FakeGenerator([], d) for d in devices]
+        sync = asyncio.run(WeightSync.create(FakeTrainer(trainer_uuid), gens, "float32"))
+        assert sync.transport is WeightTransport.BROADCAST
+        return sync.backend
+
+    assert backend("gpu-0", "cuda:0", "cuda:1") == "nccl"  # generators on other hosts' GPUs
+    assert backend("gpu-0", "cuda:0", "cpu") == "gloo"
+    assert backend(None, "cpu") == "gloo"
+
+
 @pytest.mark.parametrize("transport", list(WeightTransport))
 def test_every_replica_gets_the_weights_and_its_own_handle(transport):
     gens = [FakeGenerator(["gpu-0"]) for _ in range(3)]
@@ -385,8 +406,8 @@ def test_every_replica_gets_the_weights_and_its_own_handle(transport):
     if transport is WeightTransport.CUDA_IPC:
         assert [g.loaded for g in gens] == [[("ipc", i)] * 2 for i in range(3)]
     elif transport is WeightTransport.BROADCAST:  # member i + 1 of the group, then 2 syncs
-        assert [g.loaded for g in gens] == [
-            [("group", i + 1)] + [("broadcast", 3)] * 2 for i in range(3)
+        assert [g.loaded for g in gens] == [  # the group: "gloo", the generators on CPU
+            [("gloo", i + 1)] + [("broadcast", 3)] * 2 for i in range(3)
         ]
     else:
         assert [g.loaded for g in gens] == [[("packed", 3)] * 2] * 3
@@ -450,18 +471,32 @@ def test_generators_hold_the_trainer_weights_bit_for_bit_after_a_cuda_ipc_sync(
             assert torch.equal(weights[name], t), name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_broadcast_delivers_the_version_and_the_buffer_bit_for_bit(dtype):
-    """The sender and two receivers in one process (threads): each receiver gets the
-    sender's buffer in its own memory, version included, twice over one group."""
+@pytest.mark.parametrize(
+    "dtype, devices",
+    [
+        (torch.float32, ["cpu"] * 3),
+        (torch.bfloat16, ["cpu"] * 3),
+        pytest.param(torch.bfloat16, ["cuda:0", "cuda:1"], marks=pytest.mark.gpu),
+    ],
+)
+def test_a_broadcast_delivers_the_version_and_the_buffer_bit_for_bit(dtype, devices):
+    """The sender and its receivers in one process (threads): each receiver gets the
+    sender's buffer in its own memory, version included, twice over one group: gloo with two
+    receivers on CPU, NCCL from GPU 0 to one receiver on GPU 1 (two ranks of one NCCL
+    group cannot share a GPU)."""
     import threading
 
     from torchtitan_rl.weight_sync.broadcast import BroadcastReceiver, BroadcastSender
 
-    state = {"w": torch.randn(300, 7), "b": torch.randn(11)}
+    if devices[0] != "cpu" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    state = {"w": torch.randn(300, 7, device=devices[0]), "b": torch.randn(11, device=devices[0])}
     layout, numel = make_layout(state)
-    sender = BroadcastSender(layout, numel, dtype, receivers=2)
-    receivers = [BroadcastReceiver(sender.group, rank) for rank in (1, 2)]
+    sender = BroadcastSender(layout, numel, dtype, len(devices) - 1, torch.device(devices[0]))
+    receivers = [
+        BroadcastReceiver(sender.group, rank, torch.device(d))
+        for rank, d in enumerate(devices[1:], 1)
+    ]
     forming = [threading.Thread(target=r.form) for r in receivers]  # every member at once
     for t in forming:
         t.start()
@@ -470,12 +505,12 @@ def test_a_broadcast_delivers_the_version_and_the_buffer_bit_for_bit(dtype):
         t.join()
     for version in (4, 5):
         gather_into(state, sender.flat_P)
-        got = [None, None]
+        got = [None] * len(receivers)
 
         def receive(i, got=got):
             got[i] = receivers[i].receive_blocking()
 
-        threads = [threading.Thread(target=receive, args=(i,)) for i in range(2)]
+        threads = [threading.Thread(target=receive, args=(i,)) for i in range(len(receivers))]
         for t in threads:
             t.start()
         sender.send(version)
@@ -484,6 +519,7 @@ def test_a_broadcast_delivers_the_version_and_the_buffer_bit_for_bit(dtype):
         for packed in got:
             assert packed.version == version and packed.layout == layout
             assert packed.flat_P.data_ptr() != sender.flat_P.data_ptr()
+            assert packed.flat_P.device == torch.device(devices[-1])  # the receiver's own
             back = unpack_weights(packed)
-            assert all(torch.equal(back[k], v.to(dtype)) for k, v in state.items())
+            assert all(torch.equal(back[k].cpu(), v.to(dtype).cpu()) for k, v in state.items())
         state = {k: v + 1 for k, v in state.items()}

@@ -113,7 +113,7 @@ class GeneratorActor(Actor):
     async def join_broadcast(self, group: BroadcastGroup, rank: int) -> None:
         """Become member `rank` of the trainer's weight group: returns once the group has
         formed (the trainer's `form_broadcast` runs meanwhile)."""
-        receiver = BroadcastReceiver(group, rank)
+        receiver = BroadcastReceiver(group, rank, self.device)
         await asyncio.to_thread(receiver.form)
         self.receiver = receiver
 

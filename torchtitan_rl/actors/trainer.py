@@ -135,13 +135,17 @@ class TrainerActor(Actor):
         return self.shared.publish(self.core.policy_version, receivers)
 
     @endpoint
-    async def open_broadcast(self, dtype: str, receivers: int) -> BroadcastGroup | None:
+    async def open_broadcast(
+        self, dtype: str, receivers: int, backend: str = "gloo"
+    ) -> BroadcastGroup | None:
         """Rank 0 opens a broadcast group for itself and `receivers` generators (any hosts)
-        and returns where it meets; the weights travel in `dtype`. Other ranks: None."""
+        and returns where it meets; the weights travel in `dtype`, through NCCL from this
+        rank's GPU (`backend="nccl"`) or gloo from a CPU buffer. Other ranks: None."""
         if self.rank != 0:
             return None
         layout, numel = make_layout(sharded_state(self.core.model))
-        self.sender = BroadcastSender(layout, numel, DTYPES[dtype], receivers)
+        device = self.core.device if backend == "nccl" else torch.device("cpu")
+        self.sender = BroadcastSender(layout, numel, DTYPES[dtype], receivers, device)
         return self.sender.group
 
     @endpoint

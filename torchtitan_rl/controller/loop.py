@@ -176,10 +176,11 @@ class Controller:
         self.router = Router(fns) if replicas > 1 else None
         self.generate_fn = self.router or fns[0]
         self.weight_sync = await WeightSync.create(
-            self.trainer, self.generators, cfg.generator.dtype
+            self.trainer, self.generators, cfg.generator.dtype, cfg.launcher.weight_transport
         )
         self.weight_sync.peer_failure_wait_s = max(30.0, cfg.launcher.host_timeout_s + 20.0)
-        logger.info("weight sync: %s", self.weight_sync.transport)
+        backend = f" ({self.weight_sync.backend})" if self.weight_sync.backend else ""
+        logger.info("weight sync: %s%s", self.weight_sync.transport, backend)
         record_processes(self.run_dir, await ask_processes(self.trainer, self.generators))
         if state is not None:
             await self.restore(latest, state)

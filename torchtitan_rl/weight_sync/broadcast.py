@@ -1,5 +1,7 @@
-"""Weights straight from trainer rank 0 to every generator, on any host: one gloo broadcast in
-a process group of their own, never through the controller.
+"""Weights straight from trainer rank 0 to every generator, on any host: one broadcast in a
+process group of their own, never through the controller. The group's backend is NCCL when
+rank 0 and every generator compute on GPUs (the buffer stays on the GPUs: NVLink within a
+host, InfiniBand or sockets across hosts), else gloo over TCP with CPU buffers.
 
     group rank 0      = trainer rank 0 (the source; it also serves the group's TCPStore)
     group rank i + 1  = generator replica i
@@ -12,7 +14,7 @@ broadcast through it), so an address the generators cannot reach shows at start,
 two broadcasts: the policy version (one int64), then the packed buffer (`packing.py`
 layout).
 
-Why gloo and not Monarch's RDMABuffer here: on this 2-core VM, TCP loopback, gloo moved
+Why gloo and not Monarch's RDMABuffer on CPU: on this 2-core VM, TCP loopback, gloo moved
 268 MB in 0.08 s (3.2 GB/s) where RDMABuffer's TCP fallback (no ibverbs) moved 67 MB in
 0.2 s (0.34 GB/s); scripts/bench_weight_sync.py --hosts measures both side by side.
 """
@@ -58,28 +60,48 @@ class BroadcastGroup:
     numel: int
     dtype: torch.dtype
     layout: Layout
+    backend: str = "gloo"
+    """"gloo" (CPU buffers) or "nccl" (every member's buffer on its GPU)."""
 
 
-def _group(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
+def _group(store: dist.Store, rank: int, size: int, device: torch.device) -> dist.ProcessGroup:
     """The group over `store` (which forming waits on for FORM_TIMEOUT); its broadcasts may
-    each take BROADCAST_TIMEOUT."""
+    each take BROADCAST_TIMEOUT. NCCL when `device` is a GPU (this thread's current device
+    becomes `device`), else gloo."""
     store.set_timeout(FORM_TIMEOUT)
-    pg = dist.ProcessGroupGloo(store, rank, size, BROADCAST_TIMEOUT)
-    _broadcast(pg, torch.zeros(1, dtype=torch.int64))  # every pair connected and answering
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = BROADCAST_TIMEOUT
+        pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+    else:
+        pg = dist.ProcessGroupGloo(store, rank, size, BROADCAST_TIMEOUT)
+    # every pair connected and answering (NCCL builds its communicator here)
+    _broadcast(pg, torch.zeros(1, dtype=torch.int64, device=device))
     store.set_timeout(BROADCAST_TIMEOUT)
     return pg
 
 
 def _broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    """Broadcast from group rank 0; returns once `tensor` holds the values (on a GPU: the
+    current stream waits for NCCL's, then the host waits for the stream)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     pg.broadcast([tensor], opts).wait()
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
 
 
 class BroadcastSender:
     """Trainer rank 0's side: the group's store and a packed CPU buffer kept for the run."""
 
-    def __init__(self, layout: Layout, numel: int, dtype: torch.dtype, receivers: int):
+    def __init__(
+        self, layout: Layout, numel: int, dtype: torch.dtype, receivers: int,
+        device: torch.device | None = None,
+    ):  # fmt: skip
+        """`device`: a GPU makes the group NCCL and the buffer a GPU one (every receiver must
+        then be on a GPU too); the CPU makes it gloo."""
+        device = device or torch.device("cpu")
         addr = os.environ.get("MASTER_ADDR") or socket.gethostname()  # what other hosts dial
         self.store = dist.TCPStore(
             addr, 0, receivers + 1, is_master=True, timeout=BROADCAST_TIMEOUT,
@@ -87,9 +109,10 @@ class BroadcastSender:
         )  # fmt: skip
         self.group = BroadcastGroup(
             addr=addr, port=self.store.port, world_size=receivers + 1, numel=numel,
-            dtype=dtype, layout=layout,
+            dtype=dtype, layout=layout, backend="nccl" if device.type == "cuda" else "gloo",
         )  # fmt: skip
-        self.flat_P = torch.empty(numel, dtype=dtype)
+        self.device = device
+        self.flat_P = torch.empty(numel, dtype=dtype, device=device)
         """Filled by the caller (`gather_into`) before each `send`."""
         self._pg: dist.ProcessGroup | None = None
 
@@ -98,23 +121,27 @@ class BroadcastSender:
 
     def form(self) -> None:
         """Meet every receiver (each in `BroadcastReceiver.form` meanwhile)."""
-        self._pg = _group(self.store, 0, self.group.world_size)
+        self._pg = _group(self.store, 0, self.group.world_size, self.device)
 
     def send(self, version: int) -> None:
         """Broadcast `version`, then `flat_P`; returns once every receiver has it."""
         assert self._pg is not None, "form the group first"
-        _broadcast(self._pg, torch.tensor([version], dtype=torch.int64))
+        _broadcast(self._pg, torch.tensor([version], dtype=torch.int64, device=self.device))
         _broadcast(self._pg, self.flat_P)
 
 
 class BroadcastReceiver:
     """A generator's side: member `rank` (>= 1) of `group`; each receive fills a new
-    buffer, which the engine keeps until it applies it."""
+    buffer (on `device`, a GPU, when the group is NCCL), which the engine keeps until it
+    applies it."""
 
-    def __init__(self, group: BroadcastGroup, rank: int):
+    def __init__(self, group: BroadcastGroup, rank: int, device: torch.device | None = None):
         assert 1 <= rank < group.world_size, (rank, group.world_size)
         self.group = group
         self.rank = rank
+        self.device = torch.device("cpu") if group.backend == "gloo" else device
+        if group.backend == "nccl" and (device is None or device.type != "cuda"):
+            raise ValueError(f"an NCCL weight group needs receivers on GPUs, got {device}")
         self._pg: dist.ProcessGroup | None = None
 
     def form(self) -> None:
@@ -122,13 +149,15 @@ class BroadcastReceiver:
         g = self.group
         store = dist.TCPStore(g.addr, g.port, g.world_size, is_master=False,
                               timeout=FORM_TIMEOUT)  # fmt: skip
-        self._pg = _group(store, self.rank, g.world_size)
+        self._pg = _group(store, self.rank, g.world_size, self.device)
 
     def receive_blocking(self) -> PackedWeights:
         assert self._pg is not None, "form the group first"
-        version = torch.zeros(1, dtype=torch.int64)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this thread's too (receive runs off the loop)
+        version = torch.zeros(1, dtype=torch.int64, device=self.device)
         _broadcast(self._pg, version)
-        flat_P = torch.empty(self.group.numel, dtype=self.group.dtype)
+        flat_P = torch.empty(self.group.numel, dtype=self.group.dtype, device=self.device)
         _broadcast(self._pg, flat_P)
         return PackedWeights(version=int(version.item()), flat_P=flat_P, layout=self.group.layout)
 

@@ -3,9 +3,10 @@
 - `CUDA_IPC`: trainer rank 0 and every generator on GPUs of one host. Rank 0 packs the weights
   into a GPU buffer it keeps for the run and returns CUDA IPC handles to it; each generator
   opens the buffer and copies it device to device. Only those handles pass through Monarch.
-- `BROADCAST`: anything else (CPU, other processes, other hosts). Rank 0 packs into a CPU
-  buffer and broadcasts it in a gloo group of its own with every generator
-  (weight_sync/broadcast.py); the bytes never pass through the controller.
+- `BROADCAST`: anything else (CPU, other hosts). Rank 0 packs the weights and broadcasts
+  them in a process group of its own with every generator (weight_sync/broadcast.py): NCCL
+  from its GPU buffer when every generator computes on a GPU, else gloo from a CPU buffer;
+  the bytes never pass through the controller.
 - `CONTROLLER`: the fallback when the broadcast group cannot be opened. Rank 0 returns the
   packed buffer on CPU and the controller passes it to each generator.
 
@@ -34,8 +35,11 @@ class WeightTransport(StrEnum):
     CONTROLLER = "controller"
 
 
-async def choose_transport(trainer, generators) -> WeightTransport:
-    """CUDA_IPC when every generator process sees trainer rank 0's GPU, else BROADCAST."""
+async def choose_transport(trainer, generators, wanted: str = "auto") -> WeightTransport:
+    """CUDA_IPC when every generator process sees trainer rank 0's GPU, else BROADCAST; a
+    `wanted` other than "auto" is taken as it is."""
+    if wanted != "auto":
+        return WeightTransport(wanted)
     uuids = [u for u in (await trainer.cuda_uuid.call()).values() if u]
     if not uuids:
         return WeightTransport.BROADCAST
@@ -43,6 +47,13 @@ async def choose_transport(trainer, generators) -> WeightTransport:
     if all(uuids[0] in s for s in seen):
         return WeightTransport.CUDA_IPC
     return WeightTransport.BROADCAST
+
+
+async def broadcast_backend(trainer, generators) -> str:
+    """ "nccl" when trainer rank 0 and every generator compute on GPUs, else "gloo"."""
+    on_gpu = any(u for u in (await trainer.cuda_uuid.call()).values())
+    wheres = await asyncio.gather(*(g.where.call_one() for g in generators))
+    return "nccl" if on_gpu and all(w["device"].startswith("cuda") for w in wheres) else "gloo"
 
 
 PEER_FAILURE_WAIT_S = 30.0
@@ -63,12 +74,15 @@ class WeightSync:
         self.version: int | None = None
         """The policy version the last sync delivered (None before the first)."""
         self.peer_failure_wait_s = PEER_FAILURE_WAIT_S
+        self.backend: str | None = None
+        """The broadcast group's backend ("gloo" | "nccl") once it is open."""
 
     @classmethod
-    async def create(cls, trainer, generators, dtype: str) -> WeightSync:
+    async def create(cls, trainer, generators, dtype: str, wanted: str = "auto") -> WeightSync:
         """The transport `choose_transport` picks, ready to use (a broadcast group opened);
         CONTROLLER, with a warning, when the group cannot be opened."""
-        sync = cls(trainer, generators, dtype, await choose_transport(trainer, generators))
+        transport = await choose_transport(trainer, generators, wanted)
+        sync = cls(trainer, generators, dtype, transport)
         if sync.transport is WeightTransport.BROADCAST:
             try:
                 await sync.open_broadcast()
@@ -77,12 +91,15 @@ class WeightSync:
                 sync.transport = WeightTransport.CONTROLLER
         return sync
 
-    async def open_broadcast(self) -> None:
+    async def open_broadcast(self, backend: str | None = None) -> None:
         """Trainer rank 0 opens the group; generator i becomes its member i + 1; all of them
         form it together (within broadcast.FORM_TIMEOUT), so a trainer address the generators
-        cannot reach fails here, where `create` falls back to the controller path."""
-        out = await self.trainer.open_broadcast.call(self.dtype, len(self.generators))
+        cannot reach fails here, where `create` falls back to the controller path. `backend`:
+        None picks it (`broadcast_backend`); "gloo" forces CPU buffers (benchmarks)."""
+        backend = backend or await broadcast_backend(self.trainer, self.generators)
+        out = await self.trainer.open_broadcast.call(self.dtype, len(self.generators), backend)
         group = _rank0(out)
+        self.backend = backend
         await asyncio.gather(
             self.trainer.form_broadcast.call(),
             *(g.join_broadcast.call_one(group, i + 1) for i, g in enumerate(self.generators)),
