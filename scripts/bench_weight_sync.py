@@ -1,5 +1,6 @@
 """Seconds per weight sync, trainer -> generator in separate Monarch processes: CUDA IPC vs
-the gloo broadcast group vs the packed buffer through the controller vs the copy floor; with
+the broadcast group (NCCL on GPUs, plus a gloo row through CPU buffers; gloo on CPU) vs the
+packed buffer through the controller vs the copy floor; with
 --hosts, on two simulated hosts (ProcessJob), plus Monarch's RDMABuffer (TCP fallback).
 
     python scripts/bench_weight_sync.py            # GPU: Qwen3-0.6B shape (vocab 151936, tied), bf16
@@ -31,6 +32,11 @@ Measured 2026-11-21, one NVIDIA H200, torch 2.11.0+cu130, `python scripts/bench_
 | ours: CUDA IPC handle, device-to-device copy   |      10.8 |             6.5 |      58.8 |
 | packed CPU buffer through the controller       |    5253.2 |          1635.9 |    5187.0 |
 | floor: one copy at 4,195 GB/s (read + write)   |      0.57 |                 |           |
+
+Measured 2026-11-27, 2 x H100, `python scripts/bench_weight_sync.py --generator-gpu 1` (the
+generator on GPU 1; the broadcast group is NCCL between GPUs, the gloo row forces CPU buffers):
+CUDA IPC 27.0 ms, NCCL broadcast 19.3 ms, gloo broadcast 1,710.9 ms, controller 8,315.3 ms,
+floor 3.12 ms (one GPU 0 -> 1 copy at 382 GB/s); docs/hosts.md has the fp32 rows.
 
 Measured 2026-11-26 on the 2-core VM (x86_64 CPU, torch 2.13.0+cpu), trainer on host
 trainer_0 and generator on host generator_0 of a ProcessJob, `python
