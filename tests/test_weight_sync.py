@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -289,7 +290,9 @@ class FakeTrainer:
         self.publish_weights = _Endpoint(
             lambda dtype: [pack_weights({"w": torch.ones(2)}, self.version), None]
         )
-        self.open_broadcast = _Endpoint(lambda dtype, receivers, backend: [backend, None])
+        self.open_broadcast = _Endpoint(
+            lambda dtype, receivers, backend: [SimpleNamespace(backend=backend), None]
+        )
         self.form_broadcast = _Endpoint(lambda: [None, None])
         self.broadcast_weights = _Endpoint(lambda: [self.version, None])
 
@@ -355,13 +358,16 @@ def test_a_broken_broadcast_reports_the_death_a_generator_learns_of_later():
 class FakeGenerator:
     def __init__(self, uuids, device="cpu"):
         self.cuda_uuids = _Endpoint(lambda: uuids)
-        self.where = _Endpoint(lambda: {"role": "generator", "device": device})
+        gpu = {"uuid": f"gpu-{device[5:]}"} if device.startswith("cuda") else {}
+        self.where = _Endpoint(lambda: {"role": "generator", "device": device, **gpu})
         self.loaded = []
         self.load_shared_weights = _Endpoint(
             lambda shared, i: self.loaded.append(("ipc", shared.handles[i]["receiver"]))
         )
         self.load_weights = _Endpoint(lambda packed: self.loaded.append(("packed", packed.version)))
-        self.join_broadcast = _Endpoint(lambda group, rank: self.loaded.append((group, rank)))
+        self.join_broadcast = _Endpoint(
+            lambda group, rank: self.loaded.append((group.backend, rank))
+        )
         self.receive_weights = _Endpoint(lambda: self.loaded.append(("broadcast", 3)) or 3)
 
 
@@ -377,7 +383,7 @@ def test_cuda_ipc_only_when_every_generator_sees_the_trainer_gpu():
 
 @pytest.mark.parametrize("wanted", ["broadcast", "controller"])
 def test_launcher_weight_transport_forces_the_transport(wanted):
-    gens = [FakeGenerator(["gpu-0"], "cuda:0")]  # auto would pick CUDA IPC
+    gens = [FakeGenerator(["gpu-0", "gpu-1"], "cuda:1")]  # auto would pick CUDA IPC
     sync = asyncio.run(WeightSync.create(FakeTrainer("gpu-0"), gens, "bfloat16", wanted))
     assert sync.transport is WeightTransport(wanted)
     assert sync.backend == ("nccl" if wanted == "broadcast" else None)
@@ -390,8 +396,10 @@ def test_the_broadcast_group_is_nccl_only_when_every_member_is_on_a_gpu():
         assert sync.transport is WeightTransport.BROADCAST
         return sync.backend
 
-    assert backend("gpu-0", "cuda:0", "cuda:1") == "nccl"  # generators on other hosts' GPUs
-    assert backend("gpu-0", "cuda:0", "cpu") == "gloo"
+    assert backend("gpu-0", "cuda:1", "cuda:2") == "nccl"  # a GPU each (here: other hosts)
+    assert backend("gpu-0", "cuda:0", "cuda:1") == "gloo"  # one shares the trainer's GPU
+    assert backend("gpu-0", "cuda:1", "cuda:1") == "gloo"  # two generators share a GPU
+    assert backend("gpu-0", "cuda:1", "cpu") == "gloo"
     assert backend(None, "cpu") == "gloo"
 
 
@@ -523,3 +531,31 @@ def test_a_broadcast_delivers_the_version_and_the_buffer_bit_for_bit(dtype, devi
             back = unpack_weights(packed)
             assert all(torch.equal(back[k].cpu(), v.to(dtype).cpu()) for k, v in state.items())
         state = {k: v + 1 for k, v in state.items()}
+
+
+def test_two_receives_in_flight_on_one_generator_take_whole_syncs_in_turn():
+    """A second receive posted before the first returned must not pair its version with the
+    other's buffer (gloo would abort the process on the size mismatch)."""
+    import threading
+
+    from torchtitan_rl.weight_sync.broadcast import BroadcastReceiver, BroadcastSender
+
+    layout, numel = make_layout({"w": torch.zeros(5, 3)})
+    sender = BroadcastSender(layout, numel, torch.float32, receivers=1)
+    receiver = BroadcastReceiver(sender.group, 1)
+    forming = threading.Thread(target=receiver.form)
+    forming.start()
+    sender.form()
+    forming.join()
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(receiver.receive_blocking()))
+               for _ in range(2)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for version in (1, 2):
+        sender.flat_P.fill_(float(version))
+        sender.send(version)
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted((p.version, float(p.flat_P[0]), float(p.flat_P[-1])) for p in got) == [
+        (1, 1.0, 1.0), (2, 2.0, 2.0)]  # fmt: skip

@@ -49,8 +49,8 @@ class LauncherConfig:
     weight_transport: str = "auto"
     """How trainer rank 0's weights reach the generators. "auto": CUDA IPC where every
     generator shares rank 0's host and sees its GPU, else "broadcast". "broadcast": a
-    process group of rank 0 and the generators (NCCL when all of them are on GPUs, else
-    gloo). "controller": through the controller process (slowest; for debugging)."""
+    process group of rank 0 and the generators (NCCL when each of them is on a GPU of its
+    own, else gloo). "controller": through the controller process (slowest; for debugging)."""
     host_timeout_s: int = 5
     """Seconds a host of the job may stay silent before its actors count as dead and the run
     ends (Monarch's get_actor_state_max_idle and get_proc_state_max_idle; >= 1). Monarch's

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -93,7 +94,8 @@ def _broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> None:
 
 
 class BroadcastSender:
-    """Trainer rank 0's side: the group's store and a packed CPU buffer kept for the run."""
+    """Trainer rank 0's side: the group's store and a packed buffer kept for the run (on
+    rank 0's GPU for NCCL, in host memory for gloo)."""
 
     def __init__(
         self, layout: Layout, numel: int, dtype: torch.dtype, receivers: int,
@@ -143,6 +145,12 @@ class BroadcastReceiver:
         if group.backend == "nccl" and (device is None or device.type != "cuda"):
             raise ValueError(f"an NCCL weight group needs receivers on GPUs, got {device}")
         self._pg: dist.ProcessGroup | None = None
+        self._lock = threading.Lock()
+        """One receive at a time: two in flight would pair one's version broadcast with the
+        other's buffer (gloo aborts the process on the size mismatch; NCCL would not see it)."""
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        """NCCL receives on a stream of their own: on the default stream, the engine's
+        kernels queued after a receive began would wait for the trainer to send."""
 
     def form(self) -> None:
         """Meet the sender and the other receivers (the sender in `form` meanwhile)."""
@@ -153,8 +161,18 @@ class BroadcastReceiver:
 
     def receive_blocking(self) -> PackedWeights:
         assert self._pg is not None, "form the group first"
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # this thread's too (receive runs off the loop)
+        with self._lock:
+            if self._stream is None:
+                return self._receive()
+            torch.cuda.set_device(self.device)  # this thread's (receive runs off the loop)
+            with torch.cuda.stream(self._stream):
+                packed = self._receive()
+            # the engine reads the buffer on its default stream: the allocator must not hand
+            # the block to a later receive before those reads are done
+            packed.flat_P.record_stream(torch.cuda.default_stream(self.device))
+            return packed
+
+    def _receive(self) -> PackedWeights:
         version = torch.zeros(1, dtype=torch.int64, device=self.device)
         _broadcast(self._pg, version)
         flat_P = torch.empty(self.group.numel, dtype=self.group.dtype, device=self.device)
@@ -162,5 +180,6 @@ class BroadcastReceiver:
         return PackedWeights(version=int(version.item()), flat_P=flat_P, layout=self.group.layout)
 
     async def receive(self) -> PackedWeights:
-        """The next broadcast, waited for off the event loop (the engine keeps generating)."""
+        """The next broadcast, waited for off the event loop (the engine keeps generating:
+        on a GPU the receive runs on a stream of its own)."""
         return await asyncio.to_thread(self.receive_blocking)

@@ -7,7 +7,8 @@
   them in a process group of its own with every generator (weight_sync/broadcast.py): NCCL
   from its GPU buffer when every generator computes on a GPU, else gloo from a CPU buffer;
   the bytes never pass through the controller.
-- `CONTROLLER`: the fallback when the broadcast group cannot be opened. Rank 0 returns the
+- `CONTROLLER`: the fallback when the broadcast group cannot be opened (or forced with
+  `launcher.weight_transport = "controller"`). Rank 0 returns the
   packed buffer on CPU and the controller passes it to each generator.
 
 Either way a sync returns once every generator holds its own copy of version v, which its
@@ -50,10 +51,17 @@ async def choose_transport(trainer, generators, wanted: str = "auto") -> WeightT
 
 
 async def broadcast_backend(trainer, generators) -> str:
-    """ "nccl" when trainer rank 0 and every generator compute on GPUs, else "gloo"."""
-    on_gpu = any(u for u in (await trainer.cuda_uuid.call()).values())
+    """ "nccl" when trainer rank 0 and every generator compute on GPUs, each on a GPU of its
+    own (NCCL refuses two members on one GPU), else "gloo"."""
+    uuids = [u for u in (await trainer.cuda_uuid.call()).values() if u][:1]
     wheres = await asyncio.gather(*(g.where.call_one() for g in generators))
-    return "nccl" if on_gpu and all(w["device"].startswith("cuda") for w in wheres) else "gloo"
+    uuids += [w.get("uuid") for w in wheres]
+    on_gpus = all(uuids) and all(w["device"].startswith("cuda") for w in wheres)
+    return (
+        "nccl"
+        if len(uuids) == len(generators) + 1 and on_gpus and len(set(uuids)) == len(uuids)
+        else "gloo"
+    )
 
 
 PEER_FAILURE_WAIT_S = 30.0
@@ -88,7 +96,7 @@ class WeightSync:
                 await sync.open_broadcast()
             except Exception as e:
                 logger.warning("weight broadcast group: %s; syncing through the controller", e)
-                sync.transport = WeightTransport.CONTROLLER
+                sync.transport, sync.backend = WeightTransport.CONTROLLER, None
         return sync
 
     async def open_broadcast(self, backend: str | None = None) -> None:
@@ -99,11 +107,11 @@ class WeightSync:
         backend = backend or await broadcast_backend(self.trainer, self.generators)
         out = await self.trainer.open_broadcast.call(self.dtype, len(self.generators), backend)
         group = _rank0(out)
-        self.backend = backend
         await asyncio.gather(
             self.trainer.form_broadcast.call(),
             *(g.join_broadcast.call_one(group, i + 1) for i, g in enumerate(self.generators)),
         )
+        self.backend = group.backend  # what rank 0 built (gloo for a CPU trainer)
 
     async def __call__(self) -> float:
         t0 = time.perf_counter()
