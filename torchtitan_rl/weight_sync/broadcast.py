@@ -148,9 +148,6 @@ class BroadcastReceiver:
         self._lock = threading.Lock()
         """One receive at a time: two in flight would pair one's version broadcast with the
         other's buffer (gloo aborts the process on the size mismatch; NCCL would not see it)."""
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        """NCCL receives on a stream of their own: on the default stream, the engine's
-        kernels queued after a receive began would wait for the trainer to send."""
 
     def form(self) -> None:
         """Meet the sender and the other receivers (the sender in `form` meanwhile)."""
@@ -162,15 +159,13 @@ class BroadcastReceiver:
     def receive_blocking(self) -> PackedWeights:
         assert self._pg is not None, "form the group first"
         with self._lock:
-            if self._stream is None:
-                return self._receive()
-            torch.cuda.set_device(self.device)  # this thread's (receive runs off the loop)
-            with torch.cuda.stream(self._stream):
-                packed = self._receive()
-            # the engine reads the buffer on its default stream: the allocator must not hand
-            # the block to a later receive before those reads are done
-            packed.flat_P.record_stream(torch.cuda.default_stream(self.device))
-            return packed
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # this thread's (receive runs off the loop)
+            # NCCL: on the device's default stream, which the engine shares, so the engine's
+            # kernels queued after a receive began wait until the trainer sends (the
+            # controller starts both at once; a receive on a stream of its own would not
+            # stall the engine, not yet run on a GPU here)
+            return self._receive()
 
     def _receive(self) -> PackedWeights:
         version = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -180,6 +175,6 @@ class BroadcastReceiver:
         return PackedWeights(version=int(version.item()), flat_P=flat_P, layout=self.group.layout)
 
     async def receive(self) -> PackedWeights:
-        """The next broadcast, waited for off the event loop (the engine keeps generating:
-        on a GPU the receive runs on a stream of its own)."""
+        """The next broadcast, waited for off the event loop (the engine keeps generating;
+        with NCCL its GPU work waits for the broadcast, see `receive_blocking`)."""
         return await asyncio.to_thread(self.receive_blocking)
