@@ -217,10 +217,11 @@ async def run(args, device: str) -> dict:
         transports = [WeightTransport.BROADCAST, WeightTransport.CONTROLLER]
         if transport is WeightTransport.CUDA_IPC:
             transports.insert(0, WeightTransport.CUDA_IPC)
-        rows = [(str(t), t, None) for t in transports if str(t) in wanted]
-        if device == "cuda" and "broadcast" in wanted:  # NCCL, and gloo staged through CPUs
-            rows.insert(rows.index(("broadcast", WeightTransport.BROADCAST, None)) + 1,
-                        ("broadcast_gloo", WeightTransport.BROADCAST, "gloo"))  # fmt: skip
+        rows = []  # (results key, transport, broadcast backend: None picks it)
+        for t in (t for t in transports if str(t) in wanted):
+            rows.append((str(t), t, None))
+            if t is WeightTransport.BROADCAST and device == "cuda":  # NCCL, then gloo via CPUs
+                rows.append(("broadcast_gloo", t, "gloo"))
         for key, t, backend in rows:
             sync = WeightSync(trainer, [generator], args.dtype, t)
             if t is WeightTransport.BROADCAST:

@@ -55,13 +55,8 @@ async def broadcast_backend(trainer, generators) -> str:
     own (NCCL refuses two members on one GPU), else "gloo"."""
     uuids = [u for u in (await trainer.cuda_uuid.call()).values() if u][:1]
     wheres = await asyncio.gather(*(g.where.call_one() for g in generators))
-    uuids += [w.get("uuid") for w in wheres]
-    on_gpus = all(uuids) and all(w["device"].startswith("cuda") for w in wheres)
-    return (
-        "nccl"
-        if len(uuids) == len(generators) + 1 and on_gpus and len(set(uuids)) == len(uuids)
-        else "gloo"
-    )
+    uuids += [w.get("uuid") for w in wheres]  # `where` names a GPU only for one on a GPU
+    return "nccl" if None not in uuids and len(set(uuids)) == len(generators) + 1 else "gloo"
 
 
 PEER_FAILURE_WAIT_S = 30.0
