@@ -127,3 +127,33 @@ def test_simulated_hosts_on_a_gpu_machine_stop_before_any_process(tmp_path, monk
     err = capsys.readouterr().err
     assert 'launcher.kind = "process" simulates hosts on one machine' in err
     assert not any(tmp_path.iterdir())
+
+
+def test_a_process_that_outlives_its_mesh_is_killed_and_a_reused_pid_is_not(caplog):
+    """The one-host close: a run's process still running after the grace is SIGKILLed and
+    logged; a record whose start time is not the running process's (its pid was reused) is
+    left alone, as is one that exits within the grace."""
+    import asyncio
+    import socket
+    import subprocess
+
+    from torchtitan_rl.controller.processes import kill_leftovers, on_this_host, started
+
+    host = socket.gethostname()
+    stuck, reused, quitting = (subprocess.Popen(["sleep", s]) for s in ("60", "60", "0.3"))
+    records = [{"role": "generator", "host": host, "pid": p.pid, "device": "cpu"}
+               for p in (stuck, reused, quitting)]  # fmt: skip
+    records.append({"role": "generator", "host": "elsewhere", "pid": stuck.pid, "device": "cpu"})
+    local = on_this_host(records)
+    assert [w["pid"] for w, _ in local] == [stuck.pid, reused.pid, quitting.pid]
+    local[1] = (local[1][0], local[1][1] + 1)  # another process once had this pid
+    try:
+        killed = asyncio.run(kill_leftovers(local, grace_s=1.0))
+        assert [w["pid"] for w in killed] == [stuck.pid]
+        assert stuck.wait(timeout=5) == -9 and quitting.wait(timeout=5) == 0
+        assert reused.poll() is None and started(reused.pid) is not None
+        assert "did not stop with its mesh" in caplog.text
+    finally:
+        for p in (stuck, reused):
+            p.kill()
+            p.wait()

@@ -138,3 +138,57 @@ def test_three_rl_steps_on_two_gpus_hold_the_trainer_weights_bit_for_bit(
         ("trainer", 0), ("trainer", 1), ("generator", 0)]  # fmt: skip
     assert [(p["role"], p["gpu"]) for p in processes] == expected
     assert [p["uuid"] for p in processes] == [uuids[g] for _, g in expected]  # physical GPUs
+
+
+def test_a_dead_generator_in_an_nccl_weight_group_ends_the_run_in_seconds(tmp_path):
+    """The NCCL fault drill: the generator on GPU 1 is SIGKILLed mid-run while trainer rank 0
+    broadcasts to it every step. The run ends within seconds on one line naming the
+    generator (not after the broadcast's 600 s timeout), and no process is left."""
+    import os
+    import signal
+    import time
+
+    from fakes import run_until_a_kill_ends_it
+    from test_hosts_end_to_end import _alive
+
+    from torchtitan_rl.controller.checkpoints import CheckpointStore
+
+    config = load_config(
+        ROOT / "train_configs" / "alphabet_sort_tiny.toml",
+        [
+            f"--job.output_dir={tmp_path}",
+            "--parallelism.device=cuda",
+            "--parallelism.trainer_procs=1",
+            "--parallelism.placement=split",
+            "--launcher.weight_transport=broadcast",
+            "--generator.max_num_seqs=16",
+            "--generator.cuda_graphs=false",
+            "--warm_start.steps=2",
+            "--warm_start.batch_size=4",
+            "--rollout.filter_zero_std_groups=false",
+            "--training.steps=200",
+            "--validation.interval=0",
+            "--checkpoint.interval=2",
+        ],
+    )
+    controller = Controller(config, use_tqdm=False)
+    pids: list[int] = []
+
+    async def kill_the_generator_after_a_checkpoint():
+        store = CheckpointStore(controller.run_dir, keep_latest=2)
+        while store.latest() is None:
+            await asyncio.sleep(0.1)
+        assert controller.weight_sync.backend == "nccl"
+        pids.extend((await controller.trainer.pid.call()).values())
+        generator = await controller.generators[0].pid.call_one()
+        pids.append(generator)
+        os.kill(generator, signal.SIGKILL)
+        return time.perf_counter()
+
+    message, seconds = asyncio.run(
+        run_until_a_kill_ends_it(controller, kill_the_generator_after_a_checkpoint)
+    )
+    assert message.startswith("generator failed during RL step ") and "\n" not in message
+    assert seconds < 30, f"noticed {seconds:.0f} s after the kill"
+    left = [p for p in pids if _alive(p)]
+    assert not left, f"still running: {left}"

@@ -31,7 +31,12 @@ from torchtitan_rl.controller.launcher import (
     spawn_trainer,
 )
 from torchtitan_rl.controller.metrics import MetricsLogger, validation_metrics
-from torchtitan_rl.controller.processes import ask_processes, record_processes
+from torchtitan_rl.controller.processes import (
+    ask_processes,
+    kill_leftovers,
+    on_this_host,
+    record_processes,
+)
 from torchtitan_rl.controller.progress import progress_bar, rl_postfix
 from torchtitan_rl.controller.report import StepReport, StepReporter
 from torchtitan_rl.controller.run_lock import RunLock
@@ -104,6 +109,7 @@ class Controller:
         self.metrics: MetricsLogger | None = None
         self.reporter: StepReporter | None = None
         self.meshes: Meshes | None = None
+        self.local_processes: list[tuple[dict, int]] = []  # (record, start time) on this host
         self.trainer: TrainerActor | None = None
         """The trainer mesh's actors (endpoints are called on every rank)."""
         self.generators: list[GeneratorActor] = []
@@ -181,7 +187,9 @@ class Controller:
         self.weight_sync.peer_failure_wait_s = max(30.0, cfg.launcher.host_timeout_s + 20.0)
         backend = f" ({self.weight_sync.backend})" if self.weight_sync.backend else ""
         logger.info("weight sync: %s%s", self.weight_sync.transport, backend)
-        record_processes(self.run_dir, await ask_processes(self.trainer, self.generators))
+        processes = await ask_processes(self.trainer, self.generators)
+        self.local_processes = on_this_host(processes)  # killed at close if they outlive it
+        record_processes(self.run_dir, processes)
         if state is not None:
             await self.restore(latest, state)
         (self.run_dir / "config.toml").write_text(to_toml(cfg))  # after a successful restore
@@ -207,6 +215,7 @@ class Controller:
             except Exception as e:
                 logger.info("generator close: %s", e)
         await stop_all(self.meshes)  # with several hosts, the job's hosts too
+        await kill_leftovers(self.local_processes)
         self.supervisor.uninstall()  # after the stops: a dying mesh still reports to it
         if self.metrics is not None:
             self.metrics.close()

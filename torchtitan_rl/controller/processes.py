@@ -10,6 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
+import socket
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -48,3 +52,44 @@ def process_lines(run_dir: Path) -> list[str]:
     if not path.exists():
         return []
     return [f"procs    {describe(w)}" for w in json.loads(path.read_text())]
+
+
+def started(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/<pid>/stat, field 22):
+    with the pid it names one process, even after the pid is reused. None when it is gone
+    (or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def on_this_host(processes: list[dict]) -> list[tuple[dict, int]]:
+    """The records of `processes` that run on this host, each with its start time."""
+    host = socket.gethostname()
+    found = [(w, started(w["pid"])) for w in processes if w["host"] == host]
+    return [(w, t) for w, t in found if t is not None]
+
+
+async def kill_leftovers(local: list[tuple[dict, int]], grace_s: float = 5.0) -> list[dict]:
+    """SIGKILL the run's processes on this host that still run `grace_s` after their meshes
+    were stopped, and log each: a mesh whose process is stuck (a trainer waiting in an NCCL
+    broadcast to a generator that died) does not stop within its timeout. Several hosts'
+    processes go with their job; this is the one-host launcher's equivalent. Returns the
+    records killed."""
+    deadline = time.monotonic() + grace_s
+    alive = local
+    while alive:
+        alive = [(w, t) for w, t in alive if started(w["pid"]) == t]
+        if not alive or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.1)
+    for where, _ in alive:
+        try:
+            os.kill(where["pid"], signal.SIGKILL)
+        except OSError:
+            continue
+        logger.warning("killed %s: it did not stop with its mesh", describe(where))
+    return [w for w, _ in alive]

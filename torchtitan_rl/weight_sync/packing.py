@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 Layout = list[tuple[str, tuple[int, ...], int]]
@@ -165,9 +165,36 @@ def gather_into(state: dict[str, torch.Tensor], flat_P: torch.Tensor | None) -> 
         t = state[name]
         if _is_whole(t):
             continue
-        full = t.full_tensor()
+        full = _gather_rows(t) if _row_sharded(t) else t.full_tensor()
         if flat_P is not None:
             slots[name].copy_(full)
+
+
+def _row_sharded(t: DTensor) -> bool:
+    """FSDP's layout: rows split over a one-dimensional mesh (`Shard(0)`, not a strided
+    shard), which `_gather_rows` gathers."""
+    return t.device_mesh.ndim == 1 and type(t.placements[0]) is Shard and t.placements[0].dim == 0
+
+
+def _gather_rows(t: DTensor) -> torch.Tensor:
+    """`t.full_tensor()` for a row-sharded DTensor, through one blocking c10d all-gather.
+
+    DTensor's own path (an asynchronous functional collective, then `wait_tensor`) crashed
+    the trainer twice in ~8,000 CPU steps over gloo on a loaded 32-core host (SIGSEGV in
+    `wait_tensor`, `malloc(): mismatching next->prev_size`), both times here. Rank r holds
+    rows [r * c, (r + 1) * c) of ceil(n / world) = c-row chunks (fewer, or none, at the end),
+    so each rank pads its rows to c, and the gathered [world * c, ...] keeps the first n.
+    """
+    mesh = t.device_mesh
+    world = mesh.size()
+    rows = t.shape[0]
+    chunk = -(-rows // world)
+    local = t.to_local()
+    padded = local.new_zeros((chunk, *t.shape[1:]))
+    padded[: local.shape[0]].copy_(local)
+    out = local.new_empty((world * chunk, *t.shape[1:]))
+    torch.distributed.all_gather_into_tensor(out, padded, group=mesh.get_group())
+    return out[:rows]
 
 
 # ---- CUDA IPC ----------------------------------------------------------------------------
