@@ -132,8 +132,9 @@ def test_simulated_hosts_on_a_gpu_machine_stop_before_any_process(tmp_path, monk
 def test_a_process_that_outlives_its_mesh_is_killed_and_a_reused_pid_is_not(caplog):
     """The one-host close: a run's process still running after the grace is SIGKILLed and
     logged; a record whose start time is not the running process's (its pid was reused) is
-    left alone, as is one that exits within the grace."""
+    left alone, as is one that exits within the grace, and the controller's own process."""
     import asyncio
+    import os
     import socket
     import subprocess
 
@@ -144,6 +145,9 @@ def test_a_process_that_outlives_its_mesh_is_killed_and_a_reused_pid_is_not(capl
     records = [{"role": "generator", "host": host, "pid": p.pid, "device": "cpu"}
                for p in (stuck, reused, quitting)]  # fmt: skip
     records.append({"role": "generator", "host": "elsewhere", "pid": stuck.pid, "device": "cpu"})
+    records.append(
+        {"role": "trainer", "rank": 0, "host": host, "pid": os.getpid(), "device": "cpu"}
+    )
     local = on_this_host(records)
     assert [w["pid"] for w, _ in local] == [stuck.pid, reused.pid, quitting.pid]
     local[1] = (local[1][0], local[1][1] + 1)  # another process once had this pid

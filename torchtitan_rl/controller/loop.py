@@ -176,6 +176,11 @@ class Controller:
             log_dir=log_dir, hf_folder=await self.generator_start_folder(),
             placement=gpus,
         )  # fmt: skip
+        processes = await ask_processes(self.trainer, self.generators)
+        # before anything that may hang (the weight group forms next): close kills these
+        # if they outlive their meshes
+        self.local_processes = on_this_host(processes)
+        record_processes(self.run_dir, processes)
         fns = [
             ActorGenerateFn(g, name) for g, name in zip(self.generators, self.supervisor.names[1:])
         ]
@@ -187,9 +192,6 @@ class Controller:
         self.weight_sync.peer_failure_wait_s = max(30.0, cfg.launcher.host_timeout_s + 20.0)
         backend = f" ({self.weight_sync.backend})" if self.weight_sync.backend else ""
         logger.info("weight sync: %s%s", self.weight_sync.transport, backend)
-        processes = await ask_processes(self.trainer, self.generators)
-        self.local_processes = on_this_host(processes)  # killed at close if they outlive it
-        record_processes(self.run_dir, processes)
         if state is not None:
             await self.restore(latest, state)
         (self.run_dir / "config.toml").write_text(to_toml(cfg))  # after a successful restore

@@ -67,9 +67,10 @@ def started(pid: int) -> int | None:
 
 
 def on_this_host(processes: list[dict]) -> list[tuple[dict, int]]:
-    """The records of `processes` that run on this host, each with its start time."""
-    host = socket.gethostname()
-    found = [(w, started(w["pid"])) for w in processes if w["host"] == host]
+    """The records of `processes` that run on this host, each with its start time (never
+    this process: an actor run in the controller's own process is not killed with it)."""
+    host, me = socket.gethostname(), os.getpid()
+    found = [(w, started(w["pid"])) for w in processes if w["host"] == host and w["pid"] != me]
     return [(w, t) for w, t in found if t is not None]
 
 

@@ -176,12 +176,14 @@ def _row_sharded(t: DTensor) -> bool:
     return t.device_mesh.ndim == 1 and type(t.placements[0]) is Shard and t.placements[0].dim == 0
 
 
+@torch.no_grad()
 def _gather_rows(t: DTensor) -> torch.Tensor:
     """`t.full_tensor()` for a row-sharded DTensor, through one blocking c10d all-gather.
 
     DTensor's own path (an asynchronous functional collective, then `wait_tensor`) crashed
-    the trainer twice in ~8,000 CPU steps over gloo on a loaded 32-core host (SIGSEGV in
-    `wait_tensor`, `malloc(): mismatching next->prev_size`), both times here. Rank r holds
+    trainers over gloo twice on busy many-core hosts, once in ~3,500 and once in ~4,200
+    steps (`malloc(): mismatching next->prev_size`; SIGSEGV in `wait_tensor`), both times
+    here (docs/results.md; not yet rerun with this path). Rank r holds
     rows [r * c, (r + 1) * c) of ceil(n / world) = c-row chunks (fewer, or none, at the end),
     so each rank pads its rows to c, and the gathered [world * c, ...] keeps the first n.
     """
@@ -193,7 +195,9 @@ def _gather_rows(t: DTensor) -> torch.Tensor:
     padded = local.new_zeros((chunk, *t.shape[1:]))
     padded[: local.shape[0]].copy_(local)
     out = local.new_empty((world * chunk, *t.shape[1:]))
-    torch.distributed.all_gather_into_tensor(out, padded, group=mesh.get_group())
+    # torch 2.13 renamed it all_gather_single (the old name warns); 2.11 has only the old
+    gather = getattr(torch.distributed, "all_gather_single", None)
+    (gather or torch.distributed.all_gather_into_tensor)(out, padded, group=mesh.get_group())
     return out[:rows]
 
 
