@@ -22,7 +22,7 @@ start)
       --job.run_name=s$i $extra >/tmp/stress/s$i.log 2>&1 &
   done ;;
 report)
-  out=${2:-/tmp/stress/report}
+  out=${2:-/tmp/stress/report}; PATH=$PATH:/tmp/site/bin  # the GPU bundle puts py-spy there
   mkdir -p "$out"
   tree() { for c in $(ps -o pid= --ppid "$1"); do echo "$c"; tree "$c"; done; }
   for f in /tmp/stress/s*.log; do
