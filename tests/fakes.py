@@ -55,6 +55,9 @@ class FakeRenderer:
         ids += [t for m in messages for t in self._message(m)] + self._header()
         return np.array(ids, dtype=np.int32)
 
+    def stop_sequence(self, text: str) -> tuple[int, ...]:
+        return tuple(encode(text))
+
     def parse_completion(self, token_ids: np.ndarray) -> str:
         ids = [int(t) for t in token_ids if int(t) < 256]
         return bytes(ids).decode(errors="replace")

@@ -106,6 +106,7 @@ def test_cli_bad_input_is_one_line_no_traceback(args, env, needle):
         (True, ["--generator.block_size=16"], "multiple of 32"),
         (True, ["--generator.decode_attention=gather"], "native only"),
         (True, ["--generator.backend=sglang"], "backend must be one of"),
+        (True, ['--rollout.stop=["</answer>"]'], "native generator only"),
     ],
 )
 def test_vllm_backend_mistakes_are_one_line(monkeypatch, installed, overrides, needle):

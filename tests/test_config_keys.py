@@ -169,6 +169,24 @@ def test_rollout_max_tokens_reaches_every_request():
     assert {call.sampling.max_tokens for call in generate.calls} == {17}
 
 
+def test_rollout_stop_reaches_every_training_request_as_token_ids():
+    import asyncio
+
+    from fakes import FakeEnvironment, FakeRenderer, ScriptedEnv, always, done, encode
+
+    from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
+
+    generate = always("ok")
+    env_config = EnvConfig(max_rollout_tokens=1000)
+    rollouter = Rollouter(
+        FakeEnvironment(lambda s: ScriptedEnv([done()]), lambda r: 1.0, config=env_config),
+        FakeRenderer(), env_config, RolloutConfig(stop=["</a>", "!"], group_size=2), seed=0,
+    )  # fmt: skip
+    asyncio.run(rollouter.collect_batch(1, 0, generate))
+    want = (tuple(encode("</a>")), tuple(encode("!")))
+    assert {call.sampling.stop_sequences for call in generate.calls} == {want}
+
+
 # ---- controller-level keys: a Controller with stand-ins for its actors ------------------
 
 TINY_JOB = Path(__file__).resolve().parents[1] / "train_configs" / "alphabet_sort_tiny.toml"
@@ -307,6 +325,21 @@ def test_validation_num_samples_and_max_tokens_shape_the_greedy_requests(tmp_pat
     assert len(calls) == 5
     assert {c.sampling.max_tokens for c in calls} == {7}
     assert {c.sampling.temperature for c in calls} == {0.0}
+    assert {c.sampling.stop_sequences for c in calls} == {()}
+
+
+def test_rollout_stop_ends_the_greedy_validation_turns_too(tmp_path):
+    import asyncio
+
+    from fakes import always
+
+    controller = _controller(tmp_path, "--warm_start.steps=0", '--rollout.stop=["</answer>"]')
+    controller.generate_fn, controller.metrics = always("Ann"), _NoMetrics()
+    asyncio.run(controller.validate(0))
+    want = (controller.renderer.stop_sequence("</answer>"),)
+    assert len(want[0]) > 1 and {
+        c.sampling.stop_sequences for c in controller.generate_fn.calls
+    } == {want}
 
 
 @pytest.mark.parametrize("keep", [1, 3])

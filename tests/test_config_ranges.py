@@ -45,6 +45,7 @@ TINY = Path(__file__).resolve().parents[1] / "train_configs" / "alphabet_sort_ti
         ("--correction.opsm_delta=inf", "correction.opsm_delta must be finite and >= 0, got inf"),
         ("--rollout.temperature=nan", "rollout.temperature must be finite and > 0"),
         ("--rollout.temperature=inf", "rollout.temperature must be finite and > 0"),
+        ('--rollout.stop=["</answer>", ""]', "rollout.stop: an empty text would end every turn"),
         ("--rollout.top_p=nan", "rollout.top_p must be in (0, 1], got nan"),
         ("--rollout.max_sampling_rounds=-1", "rollout.max_sampling_rounds must be >= 0, got -1"),
         ("--generator.max_num_seqs=0", "generator.max_num_seqs must be >= 1, got 0"),

@@ -140,6 +140,31 @@ def test_stop_token_ends_request_with_stop_and_is_kept():
     assert stopped.token_ids_N[-1] == stop_token
 
 
+def test_stop_sequence_ends_request_with_stop_once_its_ids_end_the_completion():
+    async def main():
+        engine = make_engine()
+        free = await engine.generate(prompt(6), request_id="free", sampling=GREEDY)
+        seq = tuple(int(t) for t in free.token_ids_N[2:4])
+        never = (int(free.token_ids_N[3]), int(free.token_ids_N[2]))  # the pair reversed
+        stopped = await engine.generate(
+            prompt(6), request_id="stopped", sampling=replace(GREEDY, stop_sequences=(seq,))
+        )
+        other = await engine.generate(
+            prompt(6), request_id="other", sampling=replace(GREEDY, stop_sequences=(never,))
+        )
+        await engine.close()
+        return free, stopped, other, seq
+
+    free, stopped, other, seq = run(main())
+    ids = [int(t) for t in free.token_ids_N]
+    end = next(i + 2 for i in range(len(ids) - 1) if tuple(ids[i : i + 2]) == seq)
+    assert stopped.finish_reason == FinishReason.STOP
+    np.testing.assert_array_equal(stopped.token_ids_N, free.token_ids_N[:end])
+    assert len(stopped.logprobs_N) == end
+    if all(tuple(ids[i : i + 2]) != (seq[1], seq[0]) for i in range(len(ids) - 1)):
+        np.testing.assert_array_equal(other.token_ids_N, free.token_ids_N)
+
+
 def test_max_tokens_and_context_limit_end_request_with_length():
     async def main():
         engine = make_engine(max_seq_len=20)

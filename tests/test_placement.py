@@ -138,7 +138,7 @@ def test_a_process_that_outlives_its_mesh_is_killed_and_a_reused_pid_is_not(capl
     import socket
     import subprocess
 
-    from torchtitan_rl.controller.processes import kill_leftovers, on_this_host, started
+    from torchtitan_rl.controller.processes import kill_leftovers, on_this_machine, started
 
     host = socket.gethostname()
     stuck, reused, quitting = (subprocess.Popen(["sleep", s]) for s in ("60", "60", "0.3"))
@@ -148,7 +148,7 @@ def test_a_process_that_outlives_its_mesh_is_killed_and_a_reused_pid_is_not(capl
     records.append(
         {"role": "trainer", "rank": 0, "host": host, "pid": os.getpid(), "device": "cpu"}
     )
-    local = on_this_host(records)
+    local = on_this_machine(records)
     assert [w["pid"] for w, _ in local] == [stuck.pid, reused.pid, quitting.pid]
     local[1] = (local[1][0], local[1][1] + 1)  # another process once had this pid
     try:

@@ -39,6 +39,20 @@ def test_next_prompt_is_prompt_plus_sampled_ids_plus_continuation():
     assert result.reward_signals == {"score": 0.5}
 
 
+def test_a_turn_ended_by_a_stop_sequence_gets_its_closing_token_in_the_continuation():
+    async def go():
+        env = make_env([reply("again"), done()])
+        prompt = await env.reset()
+        sampled = [65, 33]  # "A!" ended by the stop sequence "!": no stop token sampled
+        return prompt, await env.step(make_completion(sampled, finish_reason=FinishReason.STOP))
+
+    prompt, result = run(go())
+    continuation = FakeRenderer().render_continuation([{"role": "user", "content": "again"}], False)
+    assert continuation[0] == IM_END
+    expected = np.concatenate([prompt, np.array([65, 33], np.int32), continuation])
+    np.testing.assert_array_equal(result.next_prompt_ids, expected)
+
+
 def test_env_done_completes_rollout_without_next_prompt():
     async def go():
         env = make_env([done()])

@@ -56,6 +56,9 @@ class SamplingParams:
     """Number of most likely tokens kept; 0 disables."""
     max_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    """Token-id sequences that end the request once its generated ids end with one (kept in
+    the completion, as a stop token is); finish reason STOP."""
     seed: int = 0
     """Seeds this request's own generator, so results do not depend on batching order."""
     return_support: bool = False

@@ -108,6 +108,12 @@ class Config:
     def _check_generator_backend(self) -> None:
         if self.generator.backend != "vllm":
             return
+        if self.rollout.stop:
+            raise ConfigError(
+                f"rollout.stop={self.rollout.stop} works with the native generator only (the "
+                "vllm backend generates token ids without text); use generator.backend = "
+                '"native" or rollout.stop = []'
+            )
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(
                 'generator.backend = "vllm" needs vLLM, which is not installed: see the '

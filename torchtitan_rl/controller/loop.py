@@ -34,7 +34,7 @@ from torchtitan_rl.controller.metrics import MetricsLogger, validation_metrics
 from torchtitan_rl.controller.processes import (
     ask_processes,
     kill_leftovers,
-    on_this_host,
+    on_this_machine,
     record_processes,
 )
 from torchtitan_rl.controller.progress import progress_bar, rl_postfix
@@ -179,7 +179,7 @@ class Controller:
         processes = await ask_processes(self.trainer, self.generators)
         # before anything that may hang (the weight group forms next): close kills these
         # if they outlive their meshes
-        self.local_processes = on_this_host(processes)
+        self.local_processes = on_this_machine(processes)
         record_processes(self.run_dir, processes)
         fns = [
             ActorGenerateFn(g, name) for g, name in zip(self.generators, self.supervisor.names[1:])
@@ -295,6 +295,7 @@ class Controller:
             temperature=0.0,
             max_tokens=cfg.validation.max_tokens,
             stop_token_ids=tuple(self.renderer.stop_token_ids),
+            stop_sequences=self.rollouter.stop_sequences,
         )
         rollouts = await asyncio.gather(
             *(

@@ -66,7 +66,7 @@ def started(pid: int) -> int | None:
     return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
-def on_this_host(processes: list[dict]) -> list[tuple[dict, int]]:
+def on_this_machine(processes: list[dict]) -> list[tuple[dict, int]]:
     """The records of `processes` that run on this host, each with its start time (never
     this process: an actor run in the controller's own process is not killed with it)."""
     host, me = socket.gethostname(), os.getpid()

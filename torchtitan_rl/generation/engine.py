@@ -245,8 +245,12 @@ class Engine(EngineFront):
                 self._resolve(request, reason, now, inflight)
 
     def _finish_reason(self, request: Request) -> FinishReason | None:
-        if request.token_ids[-1] in request.sampling.stop_token_ids:
+        ids = request.token_ids
+        if ids[-1] in request.sampling.stop_token_ids:
             return FinishReason.STOP
+        for seq in request.sampling.stop_sequences:
+            if len(ids) >= len(seq) and tuple(ids[-len(seq) :]) == seq:
+                return FinishReason.STOP
         num_tokens = len(request.token_ids)
         if num_tokens >= request.sampling.max_tokens:
             return FinishReason.LENGTH

@@ -41,6 +41,10 @@ class Renderer:
     def stop_token_ids(self) -> tuple[int, ...]:
         return (self.tokenizer.im_end_id, self.tokenizer.eos_id)
 
+    def stop_sequence(self, text: str) -> tuple[int, ...]:
+        """The token ids that end a turn at `text` (see `rollout.stop`)."""
+        return tuple(self.tokenizer.encode(text))
+
     def _header(self, role: str) -> list[int]:
         """`<|im_start|>{role}\\n`."""
         return [self.tokenizer.im_start_id, *self.tokenizer.encode(f"{role}\n")]

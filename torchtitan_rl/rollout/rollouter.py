@@ -93,6 +93,10 @@ class RolloutConfig:
     """Most likely tokens kept (>= 0); 0 disables."""
     max_tokens: int = 64
     """Max tokens sampled per assistant turn (>= 1); also capped by the rollout token budget."""
+    stop: list[str] = field(default_factory=list)
+    """Texts that end an assistant turn (training and validation), e.g. ["</answer>"]: the
+    turn stops once its tokens end with the tokenizer's ids of one, which stay in the
+    completion and are trained on. Native generator only."""
     filter_zero_std_groups: bool = True
     """Drop groups whose valid rollouts all got the same reward (no learning signal)."""
     max_sampling_rounds: int = 4
@@ -134,11 +138,20 @@ class RolloutConfig:
         check_range("rollout.max_error_steps", self.max_error_steps, ge=0)
         try:
             self.sampling_params(seed=0, max_tokens=self.max_tokens, stop_token_ids=()).validate()
+            if any(not s for s in self.stop):
+                raise ValueError(
+                    f"stop: an empty text would end every turn at once, got {self.stop}"
+                )
         except ValueError as e:  # SamplingParams names the field; say which section it is in
             raise ValueError(f"rollout.{e}") from e
 
     def sampling_params(
-        self, *, seed: int, max_tokens: int, stop_token_ids: tuple[int, ...]
+        self,
+        *,
+        seed: int,
+        max_tokens: int,
+        stop_token_ids: tuple[int, ...],
+        stop_sequences: tuple[tuple[int, ...], ...] = (),
     ) -> SamplingParams:
         # A truncated (top-p/top-k) sample is scored on its kept support; the trainer replays
         # that support so both sides of the importance ratio use the same distribution.
@@ -149,6 +162,7 @@ class RolloutConfig:
             top_k=self.top_k,
             max_tokens=max_tokens,
             stop_token_ids=stop_token_ids,
+            stop_sequences=stop_sequences,
             seed=seed,
             return_support=truncated,
         )
@@ -187,6 +201,7 @@ class Rollouter:
         self._config = config
         self._seed = seed
         self._rubric = environment.rubric()
+        self.stop_sequences = tuple(renderer.stop_sequence(s) for s in config.stop)
         self._fewest_kept: int | None = None
         """The fewest groups a step kept after its refills, once a step fell short: the
         warning is said again only when a step keeps fewer (a run may fall short every step)."""
@@ -338,6 +353,7 @@ class Rollouter:
             seed=0,
             max_tokens=self._config.max_tokens,
             stop_token_ids=tuple(self._renderer.stop_token_ids),
+            stop_sequences=self.stop_sequences,
         )
         rollouts = await asyncio.gather(
             *(
