@@ -58,6 +58,10 @@ class FakeRenderer:
     def stop_sequence(self, text: str) -> tuple[int, ...]:
         return tuple(encode(text))
 
+    def closed_by_stop_token(self, completion) -> bool:
+        ids = completion.token_ids_N
+        return len(ids) > 0 and int(ids[-1]) in self.stop_token_ids
+
     def parse_completion(self, token_ids: np.ndarray) -> str:
         ids = [int(t) for t in token_ids if int(t) < 256]
         return bytes(ids).decode(errors="replace")

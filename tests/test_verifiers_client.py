@@ -109,6 +109,19 @@ def test_a_second_turn_extends_the_first_with_its_sampled_ids():
     assert turns[1].completion.token_ids_N.tolist() == r1.tokens.completion_ids
 
 
+def test_a_turn_ended_by_a_stop_sequence_gets_its_closing_token_in_the_next_prompt():
+    """rollout.stop ends a turn without a stop token: the next prompt closes it, as
+    `render_prompt` of the whole history would."""
+    client, _ = _client(lambda call: make_completion([*encode("a0")], request_id=call.request_id))
+    first = [{"role": "user", "content": "q"}]
+    r0 = _ask(client, first)
+    second = [*first, {"role": "assistant", "content": "a0"}, {"role": "user", "content": "more"}]
+    r1 = _ask(client, second)
+    tail = FakeRenderer().render_continuation(second[2:], False).tolist()
+    assert tail[0] == IM_END
+    assert r1.tokens.prompt_ids == [*r0.tokens.prompt_ids, *r0.tokens.completion_ids, *tail]
+
+
 def test_a_rewritten_history_is_rendered_afresh():
     client, _ = _client(lambda call: _answer("x", call.request_id))
     _ask(client, [{"role": "user", "content": "q"}])

@@ -180,7 +180,7 @@ class GenerateFnClient(Client):
             last = played[-1]
             head = [*last.messages, {"role": "assistant", "content": last.text}]
             if messages[: len(head)] == head and len(messages) > len(head):
-                stopped = last.completion.finish_reason == FinishReason.STOP
+                stopped = self.renderer.closed_by_stop_token(last.completion)
                 tail = self.renderer.render_continuation(messages[len(head) :], stopped)
                 ids = [last.prompt_ids, last.completion.token_ids_N, np.asarray(tail)]
                 return np.concatenate(ids).astype(np.int32)

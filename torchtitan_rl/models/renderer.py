@@ -41,6 +41,12 @@ class Renderer:
     def stop_token_ids(self) -> tuple[int, ...]:
         return (self.tokenizer.im_end_id, self.tokenizer.eos_id)
 
+    def closed_by_stop_token(self, completion) -> bool:
+        """Whether `completion` sampled its own closing token. A turn cut off by max_tokens,
+        or ended by a `rollout.stop` text, gets it from `render_continuation` instead."""
+        ids = completion.token_ids_N
+        return len(ids) > 0 and int(ids[-1]) in self.stop_token_ids
+
     def stop_sequence(self, text: str) -> tuple[int, ...]:
         """The token ids that end a turn at `text` (see `rollout.stop`)."""
         return tuple(self.tokenizer.encode(text))

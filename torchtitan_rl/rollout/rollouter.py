@@ -96,7 +96,9 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     """Texts that end an assistant turn (training and validation), e.g. ["</answer>"]: the
     turn stops once its tokens end with the tokenizer's ids of one, which stay in the
-    completion and are trained on. Native generator only."""
+    completion and are trained on. Native generator only. The match is on those ids: a
+    reply that spells the text with other tokens runs on, as without the key. The closing
+    `<|im_end|>` after it is then never sampled, so RL does not train it."""
     filter_zero_std_groups: bool = True
     """Drop groups whose valid rollouts all got the same reward (no learning signal)."""
     max_sampling_rounds: int = 4

@@ -167,13 +167,7 @@ class TokenEnv:
         if self._num_turns >= self._config.max_turns:
             return _ended(RolloutStatus.TRUNCATED_TURNS, **turn)
 
-        # a stop token closes the turn itself; a turn ended by a stop sequence gets its
-        # closing token from the continuation, as a cut-off one does
-        ended_with_stop = (
-            completion.finish_reason == FinishReason.STOP
-            and len(completion.token_ids_N) > 0
-            and int(completion.token_ids_N[-1]) in self._renderer.stop_token_ids
-        )
+        ended_with_stop = self._renderer.closed_by_stop_token(completion)
         continuation = self._renderer.render_continuation(reply, ended_with_stop)
         next_prompt = np.concatenate(
             [
