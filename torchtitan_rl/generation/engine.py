@@ -251,10 +251,9 @@ class Engine(EngineFront):
         for seq in request.sampling.stop_sequences:
             if len(ids) >= len(seq) and tuple(ids[-len(seq) :]) == seq:
                 return FinishReason.STOP
-        num_tokens = len(request.token_ids)
-        if num_tokens >= request.sampling.max_tokens:
+        if len(ids) >= request.sampling.max_tokens:
             return FinishReason.LENGTH
-        if len(request.prompt_ids) + num_tokens >= self.config.max_seq_len:
+        if len(request.prompt_ids) + len(ids) >= self.config.max_seq_len:
             return FinishReason.LENGTH
         return None
 

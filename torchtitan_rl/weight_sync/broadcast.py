@@ -163,8 +163,8 @@ class BroadcastReceiver:
                 torch.cuda.set_device(self.device)  # this thread's (receive runs off the loop)
             # NCCL: on the device's default stream, which the engine shares, so the engine's
             # kernels queued after a receive began wait until the trainer sends (the
-            # controller starts both at once; a receive on a stream of its own would not
-            # stall the engine, not yet run on a GPU here)
+            # controller starts both at once; a receive on a stream of its own did not finish
+            # the 2-GPU end-to-end test, see docs/hosts.md "Known limits")
             return self._receive()
 
     def _receive(self) -> PackedWeights:
