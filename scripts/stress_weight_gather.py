@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 96
+VOCAB = 96  # fakes.TRAINER_VOCAB: tiny_core's vocabulary
 
 
 def _churn(stop: threading.Event) -> None:
@@ -39,28 +39,17 @@ def _churn(stop: threading.Event) -> None:
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    from torchtitan_rl.losses.corrections import CorrectionConfig
-    from torchtitan_rl.losses.policy_loss import LossConfig
-    from torchtitan_rl.models.qwen3 import ModelConfig
-    from torchtitan_rl.training.trainer import TrainerCore
-    from torchtitan_rl.training.trainer_config import TrainingConfig
+    from fakes import tiny_core
+
     from torchtitan_rl.weight_sync import packing
 
     if args.gather == "dtensor":
         packing._row_sharded = lambda t: False  # every tensor through t.full_tensor()
-    core = TrainerCore(
-        model_config=ModelConfig(max_seq_len=64),
-        training=TrainingConfig(lr=1e-3),
-        loss=LossConfig(),
-        correction=CorrectionConfig(),
-        vocab_size=VOCAB,
-        device=torch.device("cpu"),
-        seed=0,
-    )
+    core = tiny_core(lr=1e-3)  # the tiny policy, vocabulary fakes.TRAINER_VOCAB
     stop = threading.Event()
     for _ in range(args.churn_threads):
         threading.Thread(target=_churn, args=(stop,), daemon=True).start()
