@@ -7,7 +7,7 @@ and publish their weights many times, with other Python threads allocating besid
 `--gather rows` is what `publish_weights` runs (`packing.gather_into`: one blocking c10d
 all-gather per row-sharded tensor); `--gather dtensor` gathers every tensor with DTensor's
 own `full_tensor()` (an asynchronous functional collective, then `wait_tensor`), the path
-that crashed trainers twice under load (docs/results.md). A rank that makes no progress for
+that crashed trainers twice under load (docs/results.md); `--gather none` only trains. A rank that makes no progress for
 `--hang-s` seconds dumps every thread's stack (faulthandler) and the run ends with exit
 code 1; a rank that dies is reported with its exit code. CPU only; minutes to hours.
 """
@@ -51,23 +51,28 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
         packing._row_sharded = lambda t: False  # every tensor through t.full_tensor()
     core = tiny_core(lr=1e-3)  # the tiny policy, vocabulary fakes.TRAINER_VOCAB
     stop = threading.Event()
-    for _ in range(args.churn_threads):
-        threading.Thread(target=_churn, args=(stop,), daemon=True).start()
+    churn = [threading.Thread(target=_churn, args=(stop,)) for _ in range(args.churn_threads)]
+    for thread in churn:
+        thread.start()
     tokens = torch.Generator().manual_seed(rank)
     start = time.time()
     for i in range(args.publishes):
         faulthandler.dump_traceback_later(args.hang_s, exit=True)
-        if i % args.train_every == 0:
+        if args.train_every and i % args.train_every == 0:
             _train_step(core, tokens)
-        state = packing.sharded_state(core.model)
-        if rank == 0:
-            packing.pack_weights(state, i, torch.float32)
+        if args.gather == "none":
+            pass
+        elif rank == 0:
+            packing.pack_weights(packing.sharded_state(core.model), i, torch.float32)
         else:
-            packing.gather_into(state, None)
+            packing.gather_into(packing.sharded_state(core.model), None)
         if rank == 0 and (i + 1) % 1000 == 0:
             print(f"{args.gather}: {i + 1} publishes, {time.time() - start:.0f} s", flush=True)
     faulthandler.cancel_dump_traceback_later()
     stop.set()
+    for thread in churn:
+        thread.join()
+    print(f"rank {rank}: all {args.publishes} publishes done", flush=True)
     dist.destroy_process_group()
 
 
@@ -89,9 +94,11 @@ def _train_step(core, tokens: torch.Generator) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gather", choices=["rows", "dtensor"], default="rows")
+    p.add_argument("--gather", choices=["rows", "dtensor", "none"], default="rows")
     p.add_argument("--publishes", type=int, default=20000)
-    p.add_argument("--train-every", type=int, default=4, help="a train step every N publishes")
+    p.add_argument(
+        "--train-every", type=int, default=4, help="a train step every N publishes (0: never)"
+    )
     p.add_argument("--churn-threads", type=int, default=2)
     p.add_argument("--hang-s", type=float, default=120.0)
     args = p.parse_args()
