@@ -332,7 +332,7 @@ class Controller:
         self.ledger.settle(step)
         self.ledger.requeue([g.sample_index for g in batch.stale])
         for group in batch.groups:
-            compute_advantages(group, normalize_std=self.config.advantage.normalize_std)
+            compute_advantages(group, self.config.advantage)
         train_metrics = await self._train(batch.groups, step)
         self.trainer_version = int(train_metrics.get("trainer/policy_version", version))
         t_train = time.perf_counter()

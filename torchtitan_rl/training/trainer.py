@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from torchtitan_rl.device import DTYPES
 from torchtitan_rl.losses.corrections import CorrectionConfig
@@ -32,6 +31,7 @@ from torchtitan_rl.losses.objective import microbatch_objective
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models.qwen3 import ModelConfig, PolicyModel, build_model
 from torchtitan_rl.reductions import Metric, Metrics, merge, results
+from torchtitan_rl.training.grad_clip import clip_grad_norm
 from torchtitan_rl.training.parallelize import (
     apply_compile,
     apply_fsdp,
@@ -256,10 +256,7 @@ class TrainerCore:
     def _optimizer_step(self, optimizer, loss: float) -> tuple[bool, Metrics]:
         """Clip and step, unless the gradient or loss is not finite; (applied, metrics)."""
         clip = self.training.max_grad_norm if self.training.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        norm = float(norm)
+        norm = float(clip_grad_norm(self.model.parameters(), clip))
         applied = math.isfinite(norm) and math.isfinite(loss)
         if applied:
             optimizer.step()

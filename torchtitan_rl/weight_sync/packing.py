@@ -184,7 +184,7 @@ def _gather_rows(t: DTensor) -> torch.Tensor:
     trainers over gloo twice on busy many-core hosts, once in ~3,500 and once in ~4,200
     steps (`malloc(): mismatching next->prev_size`; SIGSEGV in `wait_tensor`), both times
     here. On a 16-core host, 2-rank loops of that path faulted in 5 of 25 runs of 400
-    publishes (heap corruption or both ranks hung in `wait_tensor`); this gather ran 34 such
+    publishes (heap corruption, or both ranks hung in `wait_tensor`); this gather ran 34 such
     runs clean (`scripts/stress_weight_gather.py`; docs/results.md). Rank r holds
     rows [r * c, (r + 1) * c) of ceil(n / world) = c-row chunks (fewer, or none, at the end),
     so each rank pads its rows to c, and the gathered [world * c, ...] keeps the first n.
