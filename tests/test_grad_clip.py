@@ -1,5 +1,6 @@
 """`grad_clip.clip_grad_norm` on 2 FSDP ranks: the norm and the clipped gradients match a
-float64 reference of the unsharded model, and no functional collective waits (torch's own
+float64 reference of the unsharded model, a NaN on one rank makes every rank's norm NaN,
+and no functional collective waits (torch's own
 clip_grad_norm_ on the same gradients does, the control)."""
 
 import torch
@@ -62,10 +63,15 @@ def _worker(rank, port, queue):
             else:
                 norm = clip_grad_norm(net.parameters(), max_norm)
             waited = len(waits) - before
-            grads = {
-                n: g.full_tensor().double().numpy() for n, g in _grads(net).items()
-            }  # by value
+            # numpy: the queue copies it by value
+            grads = {n: g.full_tensor().double().numpy() for n, g in _grads(net).items()}
             out[name] = (float(norm), grads, waited)
+        torch.manual_seed(0)
+        net = fully_shard(_Net(), mesh=mesh)
+        net(IDS).backward()
+        if rank == 1:  # a NaN in one rank's shard: every rank's norm is NaN, so all skip
+            net.lin.weight.grad.to_local()[0, 0] = float("nan")
+        out["nan"] = float(clip_grad_norm(net.parameters(), 0.05))
         dist.destroy_process_group()
         queue.put((rank, out))
     except Exception:
@@ -91,3 +97,4 @@ def test_sharded_clip_matches_float64_reference_without_functional_collectives()
         assert ref_norm > 0.05 * 1.5  # the clipped case really clips
         assert out["torch"][2] >= 1  # control: the counter sees torch's functional wait
         assert abs(out["torch"][0] - out["clipped"][0]) <= 1e-6 * out["torch"][0]
+        assert out["nan"] != out["nan"], out["nan"]

@@ -26,15 +26,19 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> tor
     """Clips the gradients in place; returns the total 2-norm before clipping (a plain
     tensor, the same on every rank). A collective when the gradients are sharded."""
     params = list(params)
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads or not all(_sharded_1d(g) for g in grads):
+    trained = [p for p in params if p.requires_grad]
+    # the branch follows the parameters' layout, the same on every rank (a rank without a
+    # gradient must still join the all-reduce)
+    if not trained or not all(_sharded_1d(p) for p in trained):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
-    group = grads[0].device_mesh.get_group()
-    if any(g.device_mesh.get_group() != group for g in grads):
-        raise ValueError("gradients sharded over different process groups")
-    local = [g.to_local() for g in grads]
-    squares = torch.stack([n.float() for n in torch._foreach_norm(local, 2)]).square().sum()
+    group = trained[0].device_mesh.get_group()
+    if any(p.device_mesh.get_group() != group for p in trained):
+        raise ValueError("parameters sharded over different process groups")
+    local = [p.grad.to_local() for p in trained if p.grad is not None]
+    squares = torch.zeros((), dtype=torch.float32, device=trained[0].to_local().device)
+    if local:
+        squares = torch.stack([n.float() for n in torch._foreach_norm(local, 2)]).square().sum()
     dist.all_reduce(squares, group=group)  # blocking c10d, not a functional collective
     total = squares.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
