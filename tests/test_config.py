@@ -43,6 +43,7 @@ def test_int_is_accepted_for_a_float_field():
         ("--env.name=chess", "env.name"),
         ("--model.hf_checkpoint=/does/not/exist", "model.hf_checkpoint"),
         ("training.steps=3", "--section.key=value"),
+        ("--rollout.stop=[1]", "rollout.stop[0]: expected str"),  # items of list[str]
     ],
 )
 def test_user_mistakes_name_the_key(override, needle):

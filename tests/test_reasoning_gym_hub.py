@@ -76,6 +76,24 @@ def test_the_saved_config_reloads_enums_tuples_and_an_unset_seed(tmp_path):
         load_config(None, ["--env.name=reasoning_gym:word_sorting", "--env.args.transformation=x"])
 
 
+def test_a_list_of_enums_is_set_by_their_values_item_by_item(tmp_path):
+    from reasoning_gym.logic.aiw import TaskType
+
+    aiw = ["--env.name=reasoning_gym:aiw", "--warm_start.steps=0"]
+    one = ['--env.args.task_types=["friends"]', "--env.args.task_type_weights=[1]"]
+    config = load_config(None, [*aiw, *one])
+    assert config.env_args().task_types == [TaskType.FRIENDS]
+    assert config.env_args().task_type_weights == [1.0]  # an int item of list[float]
+    env = build_environment(config.env, 0, config.env_args())
+    assert all("female friends" in env.train_sample(i)["question"] for i in range(20))
+    (tmp_path / "saved.toml").write_text(to_toml(config))
+    assert load_config(tmp_path / "saved.toml").env_args() == config.env_args()
+    with pytest.raises(ConfigError, match=re.escape("env.args.task_types[1] must be one of")):
+        load_config(None, [*aiw, '--env.args.task_types=["friends", "cousins"]'])
+    with pytest.raises(ConfigError, match=re.escape("task_type_weights[0]: expected float")):
+        load_config(None, [*aiw, '--env.args.task_type_weights=["a"]'])
+
+
 def test_size_is_the_pool_of_item_indices():
     env = _env("--env.args.size=40")
     indices = {env.train_sample(i)["index"] for i in range(200)}
@@ -161,7 +179,7 @@ def test_a_hub_that_is_not_installed_is_one_line(monkeypatch):
     reasoning_gym_hub.reasoning_gym_environment.cache_clear()
 
 
-@pytest.mark.parametrize("name", ["spell_backward_tiny", "number_filtering_tiny"])
+@pytest.mark.parametrize("name", ["spell_backward_tiny", "number_filtering_tiny", "aiw_tiny"])
 def test_each_reasoning_gym_config_loads_and_its_demonstrations_fit(name):
     from torchtitan_rl.models.renderer import Renderer
     from torchtitan_rl.models.tokenizer import Tokenizer

@@ -156,6 +156,19 @@ class Config:
         return args
 
 
+def _coerce_items(key: str, value: list | tuple, hint: Any) -> list:
+    """The items of a TOML array checked against `list[X]`, `tuple[X, ...]` or `tuple[X, Y]`
+    (an enum item set by its value); a bare `list`/`tuple` keeps its items as they are."""
+    args = typing.get_args(hint)
+    if not args:
+        return list(value)
+    if typing.get_origin(hint) is not tuple or args[1:] == (Ellipsis,):  # any length
+        return [_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if len(args) != len(value):
+        raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}: {value!r}")
+    return [_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args))]
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Check a TOML value against a field's type; ints are accepted for floats."""
     origin = typing.get_origin(hint)
@@ -187,10 +200,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         ok = isinstance(value, str)
     elif origin is tuple or hint is tuple:
         ok = isinstance(value, list | tuple)
-        value = tuple(value) if ok else value
+        value = tuple(_coerce_items(key, value, hint)) if ok else value
     elif origin in (list, collections.abc.Sequence) or hint is list:
         ok = isinstance(value, list | tuple)
-        value = list(value) if ok else value
+        value = _coerce_items(key, value, hint) if ok else value
     elif origin is dict:
         ok = isinstance(value, dict)
     else:  # a field type this loader cannot check: a bug in that dataclass, said plainly
