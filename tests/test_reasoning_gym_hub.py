@@ -92,6 +92,11 @@ def test_a_list_of_enums_is_set_by_their_values_item_by_item(tmp_path):
         load_config(None, [*aiw, '--env.args.task_types=["friends", "cousins"]'])
     with pytest.raises(ConfigError, match=re.escape("task_type_weights[0]: expected float")):
         load_config(None, [*aiw, '--env.args.task_type_weights=["a"]'])
+    poly = ["--env.name=reasoning_gym:polynomial_multiplication", "--warm_start.steps=0"]
+    config = load_config(None, [*poly, '--env.args.variables=["x", "y"]'])  # a tuple[str]
+    assert config.env_args().variables == ("x", "y")
+    (tmp_path / "saved.toml").write_text(to_toml(load_config(None, poly)))  # default x, y, z
+    assert load_config(tmp_path / "saved.toml").env_args().variables == ("x", "y", "z")
 
 
 def test_size_is_the_pool_of_item_indices():

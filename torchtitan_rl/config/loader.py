@@ -157,12 +157,14 @@ class Config:
 
 
 def _coerce_items(key: str, value: list | tuple, hint: Any) -> list:
-    """The items of a TOML array checked against `list[X]`, `tuple[X, ...]` or `tuple[X, Y]`
-    (an enum item set by its value); a bare `list`/`tuple` keeps its items as they are."""
+    """The items of a TOML array checked against `list[X]`, `tuple[X, ...]`, `tuple[X]` (read
+    as any length) or `tuple[X, Y]` (an enum item set by its value); a bare `list`/`tuple`
+    keeps its items as they are."""
     args = typing.get_args(hint)
     if not args:
         return list(value)
-    if typing.get_origin(hint) is not tuple or args[1:] == (Ellipsis,):  # any length
+    if len(args) == 1 or args[1:] == (Ellipsis,):  # any length (`tuple[str]` is often
+        # written for a tuple of strings: reasoning-gym's polynomial_multiplication.variables)
         return [_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
     if len(args) != len(value):
         raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}: {value!r}")
