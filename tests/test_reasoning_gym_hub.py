@@ -99,6 +99,18 @@ def test_a_list_of_enums_is_set_by_their_values_item_by_item(tmp_path):
     assert load_config(tmp_path / "saved.toml").env_args().variables == ("x", "y", "z")
 
 
+def test_a_default_that_disagrees_with_its_annotation_reloads(tmp_path):
+    # intermediate_integration annotates `symbols: tuple` but defaults to "x"
+    integration = ["--env.name=reasoning_gym:intermediate_integration", "--warm_start.steps=0"]
+    config = load_config(None, integration)
+    assert config.env_args().symbols == "x"
+    (tmp_path / "saved.toml").write_text(to_toml(config))
+    assert load_config(tmp_path / "saved.toml").env_args() == config.env_args()
+    # a str for a tuple field whose default is a tuple is still an error
+    with pytest.raises(ConfigError, match=re.escape("env.args.operators: expected tuple")):
+        load_config(None, [*integration, "--env.args.operators=+"])
+
+
 def test_size_is_the_pool_of_item_indices():
     env = _env("--env.args.size=40")
     indices = {env.train_sample(i)["index"] for i in range(200)}

@@ -216,15 +216,32 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     return value
 
 
+def _coerce_field(key: str, value: Any, hint: Any, default: Any) -> Any:
+    """`_coerce`, except that a scalar of the very type of the field's default passes where
+    the annotation disagrees with that default: a saved config writes the default, and it
+    must load again (reasoning-gym's intermediate_integration has `symbols: tuple = "x"`)."""
+    try:
+        return _coerce(key, value, hint)
+    except ConfigError:
+        if not isinstance(default, str | int | float | bool) or type(value) is not type(default):
+            raise
+        try:
+            _coerce(key, default, hint)
+        except ConfigError:
+            return value  # the annotation rejects its own default: the default's type is right
+        raise
+
+
 def _apply_section(section: Any, values: dict[str, Any], source: str, name: str) -> None:
     """Set `values` on the dataclass `section`; `name` prefixes keys in errors. A dict
     field is updated key by key (a later --env.args.k=v keeps the file's other keys)."""
     hints = typing.get_type_hints(type(section))
-    valid = [f.name for f in dataclasses.fields(section)]
+    defaults = {f.name: f.default for f in dataclasses.fields(section)}
+    valid = list(defaults)
     for key, value in values.items():
         if key not in valid:
             raise ConfigError(f"{source}: unknown key {name}.{key}; valid keys: {valid}")
-        value = _coerce(f"{name}.{key}", value, hints[key])
+        value = _coerce_field(f"{name}.{key}", value, hints[key], defaults[key])
         if isinstance(value, dict):
             value = {**getattr(section, key), **value}
         setattr(section, key, value)
