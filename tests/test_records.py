@@ -88,3 +88,21 @@ def test_show_rollouts_piped_into_head_exits_quietly(tmp_path):
     cmd = f"'{sys.executable}' '{ROOT / 'scripts' / 'show_rollouts.py'}' '{tmp_path}' | head -2"
     result = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60)
     assert "Traceback" not in result.stderr and len(result.stdout.splitlines()) == 2
+
+
+def test_pass_at_k_counts_each_group_once_per_step(tmp_path):
+    import json
+
+    folder = tmp_path / "rollouts"
+    folder.mkdir()
+    steps = {1: [(0, [1.0, 0.0, 0.0, 0.0]), (0, [1.0, 0.0, 0.0, 0.0]), (1, [0.0] * 4)],
+             2: [(0, [1.0, 1.0, 0.5, 0.0])]}  # fmt: skip
+    for step, records in steps.items():  # best and worst of group 0 share its rewards
+        lines = [json.dumps({"group_id": g, "group_rewards": r}) for g, r in records]
+        (folder / f"step_{step}.jsonl").write_text("\n".join(lines) + "\n")
+    spec = importlib.util.spec_from_file_location("pk", ROOT / "scripts" / "pass_at_k.py")
+    pk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pk)
+    assert pk.pass_rates(tmp_path, 1, 1.0) == [(1, 2, 0.125, 0.5), (2, 1, 0.5, 1.0)]
+    assert pk.pass_rates(tmp_path, 2, 1.0) == [(1, 3, 0.25, 2 / 3)]
+    assert pk.pass_rates(tmp_path, 2, 0.5)[0][2] == (0.25 + 0 + 0.75) / 3  # a lower bar
