@@ -83,6 +83,56 @@ def test_a_failure_report_ends_a_hung_await_within_the_grace_period():
     assert asyncio.run(scenario()) < 5
 
 
+@pytest.mark.parametrize("route", ["report", "endpoint error"])
+def test_a_death_first_reported_by_monarchs_own_actor_is_named_by_ours(route):
+    """Monarch's logger on the dead process can report before our actor does (seen in CI:
+    "an actor failed ..."); the line waits for the report that names ours."""
+    from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+
+    supervisor = Supervisor(("trainer", "generator"))
+
+    async def scenario():
+        supervisor.install()
+        try:
+            supervisor.where = "during RL step 3"
+            loop = asyncio.get_running_loop()
+            call = loop.create_future()
+            threading.Timer(0.1, supervisor._on_failure, [_Failure(LOGGER)]).start()
+            if route == "endpoint error":  # the awaited call fails naming only the logger
+                loop.call_later(0.2, call.set_exception, SupervisionError(LOGGER))
+            # ours reports after the grace period the awaited call gets
+            threading.Timer(3.0, supervisor._on_failure, [_Failure(KILLED)]).start()
+            with pytest.raises(ActorFailure) as failure:
+                await supervisor.watch(call)
+            return failure.value
+        finally:
+            supervisor.uninstall()
+
+    failure = asyncio.run(scenario())
+    assert str(failure).startswith("generator failed during RL step 3 (rank 0)")
+    assert failure.actor == "generator"
+
+
+def test_with_no_report_naming_ours_the_line_says_an_actor(monkeypatch):
+    from torchtitan_rl.controller import supervision
+
+    monkeypatch.setattr(supervision, "NAMED_REPORT_WAIT_S", 0.5)
+    supervisor = Supervisor(("trainer", "generator"))
+
+    async def scenario():
+        supervisor.install()
+        try:
+            hung = asyncio.get_running_loop().create_future()
+            threading.Timer(0.1, supervisor._on_failure, [_Failure(LOGGER)]).start()
+            with pytest.raises(ActorFailure, match="^an actor failed at start-up: ") as failure:
+                await supervisor.watch(hung)
+            return failure.value
+        finally:
+            supervisor.uninstall()
+
+    assert asyncio.run(scenario()).actor is None
+
+
 def test_a_report_after_the_run_closed_is_logged_not_raised(caplog):
     """A dead process's per-proc actors report ~10 s after it: by then the run may have
     closed, and Monarch's default hook would interrupt the main thread (seen in CI)."""

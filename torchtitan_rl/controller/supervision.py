@@ -43,6 +43,11 @@ PEER_REPORT_WAIT_S = 30.0
 """After a collective broke (`BroadcastBroken`), how long to wait for Monarch's report of the
 process that died: ~10 s for a process, launcher.host_timeout_s + ~9 s for a whole host."""
 
+NAMED_REPORT_WAIT_S = 15.0
+"""When the first word of a death names none of our actors (Monarch's own per-process
+actors, e.g. its logger, can report the same death first), how long to wait for the report
+that names ours."""
+
 FAILURE_GRACE_S = 2.0
 """After a failure report, how long the awaited call gets to raise its own (more precise)
 SupervisionError before the controller cancels it."""
@@ -77,7 +82,16 @@ def after_run_report(failure) -> None:
 
 class ActorFailure(RuntimeError):
     """A trainer or generator actor died or failed to start; the message is the one line
-    shown to the user."""
+    shown to the user. `actor` is the name of ours it names (None: the report named none)."""
+
+    def __init__(self, line: str, actor: str | None = None):
+        super().__init__(line)
+        self.actor = actor
+
+
+def _our_actor(report: str, names: tuple[str, ...]) -> tuple[str, int] | None:
+    """(name, rank) of the first actor the report names that is one of `names`."""
+    return next(((n, r) for n, r in _actors(report) if n in names), None)
 
 
 def describe_failure(
@@ -86,11 +100,7 @@ def describe_failure(
     """One line naming the actor (one of `names`, the names its mesh was spawned under),
     its rank and, when `hosts` ({name: host of each rank}) knows it, its host; the stage of
     the run and the reason."""
-    role, rank = "an actor", None
-    for name, r in _actors(report):
-        if name in names:
-            role, rank = name, r
-            break
+    role, rank = _our_actor(report, names) or ("an actor", None)
     lines = [line.strip() for line in report.splitlines() if line.strip()]
     reason = lines[-1] if lines else "no reason given"
     reason = reason.removeprefix("actor explicitly aborted due to: ")
@@ -142,7 +152,7 @@ class Supervisor:
             self._loop.call_soon_threadsafe(self._failed.set)
 
     def _named_reports(self) -> list[str]:
-        return [r for r in self.reports if any(f"{n}{{" in r for n in self.names)]
+        return [r for r in self.reports if _our_actor(r, self.names) is not None]
 
     def failure(self) -> ActorFailure | None:
         """The recorded failure (the report naming a known actor first), if any."""
@@ -164,16 +174,22 @@ class Supervisor:
             except TimeoutError:
                 break
 
+    async def _named_failure(self) -> ActorFailure | None:
+        """The failure a report naming one of ours describes, waiting up to
+        NAMED_REPORT_WAIT_S for that report; None if none came."""
+        if not self._named_reports():
+            await self._wait_for_named_report(NAMED_REPORT_WAIT_S)
+        return self.failure() if self._named_reports() else None
+
     def _failure(self, report: str) -> ActorFailure:
         """The one line, plus the dead process's Python stacks file when it wrote one."""
         line = describe_failure(report, self.names, self.where, self.hosts)
-        for name, rank in _actors(report):
-            if name in self.names and self.log_dir is not None:
-                path = fault_log_path(self.log_dir, name, int(rank))
-                if path.is_file() and path.stat().st_size:
-                    line += f"; its Python stacks at death: {path}"
-                break
-        return ActorFailure(line)
+        ours = _our_actor(report, self.names)
+        if ours is not None and self.log_dir is not None:
+            path = fault_log_path(self.log_dir, ours[0], int(ours[1]))
+            if path.is_file() and path.stat().st_size:
+                line += f"; its Python stacks at death: {path}"
+        return ActorFailure(line, ours[0] if ours else None)
 
     def translate(self, error: BaseException) -> BaseException:
         """A dead actor's SupervisionError (or an ActorError wrapping one) as ActorFailure;
@@ -185,7 +201,9 @@ class Supervisor:
         return error
 
     async def watch(self, awaitable: Awaitable[T]) -> T:
-        """Await `awaitable`, but end with ActorFailure soon after any process dies."""
+        """Await `awaitable`, but end with ActorFailure soon after any process dies: within
+        FAILURE_GRACE_S of the report naming the dead actor, or NAMED_REPORT_WAIT_S after a
+        report that names none of ours when no report naming ours follows."""
         task = asyncio.ensure_future(awaitable)
         failed = asyncio.ensure_future(self._failed.wait())
         try:
@@ -202,10 +220,13 @@ class Supervisor:
                     translated = self.translate(error)
                     if translated is error:
                         raise error
+                    if isinstance(translated, ActorFailure) and translated.actor is None:
+                        # Monarch's own actors on that process may speak first; ours follows
+                        translated = await self._named_failure() or translated
                     raise translated from error
                 return task.result()
             task.cancel()
-            raise self.failure()
+            raise await self._named_failure() or self.failure()
         finally:
             failed.cancel()
             if not task.done():
