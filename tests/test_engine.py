@@ -206,7 +206,11 @@ def test_invalid_requests_return_error_completions_while_others_succeed():
     for name, c in zip(bad, errs):
         assert c.request_id == name and c.finish_reason == FinishReason.ERROR
         assert c.error and c.num_tokens == 0
-    assert "[1, 47]" in errs[0].error and "top_p" in errs[4].error
+    assert errs[0].error == (
+        "a prompt of 48 tokens does not fit generator.max_seq_len=48 (at most 47 prompt "
+        "tokens); raise generator.max_seq_len"
+    )
+    assert errs[1].error == "prompt_ids is empty" and "top_p" in errs[4].error
     assert errs[6].error == "sampling: temperature must be finite and >= 0, got nan"
 
 

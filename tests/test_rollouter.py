@@ -247,6 +247,16 @@ def test_collect_batch_warns_and_returns_what_it_has_after_max_rounds(caplog):
     assert len(batch.filtered) == 4
 
 
+def test_a_step_whose_rollouts_all_errored_is_not_called_short_of_reward_spread(caplog):
+    rollouter = make_rollouter(
+        lambda s: ScriptedEnv([done()]), by_rollout_id, prompts_per_step=2, max_sampling_rounds=1
+    )
+    with caplog.at_level(logging.WARNING):
+        batch = asyncio.run(rollouter.collect_batch(0, 0, ScriptedGenerate(lambda call: None)))
+    assert batch.groups == [] and len(batch.filtered) == 4
+    assert "have reward spread" not in caplog.text  # the errors are what to fix
+
+
 def test_unfiltered_collect_batch_keeps_zero_spread_groups():
     rollouter = make_rollouter(
         lambda s: ScriptedEnv([done()]), lambda r: 1.0, filter_zero_std_groups=False

@@ -168,8 +168,13 @@ def request_error(
     limit = max_seq_len - 1
     if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
         return f"prompt_ids must be a 1-D integer array, got {prompt.dtype} {prompt.shape}"
-    if not 1 <= prompt.shape[0] <= limit:
-        return f"prompt_ids has {prompt.shape[0]} tokens, must be in [1, {limit}]"
+    if prompt.shape[0] < 1:
+        return "prompt_ids is empty"
+    if prompt.shape[0] > limit:
+        return (
+            f"a prompt of {prompt.shape[0]} tokens does not fit generator.max_seq_len="
+            f"{max_seq_len} (at most {limit} prompt tokens); raise generator.max_seq_len"
+        )
     if prompt.min() < 0 or prompt.max() >= vocab_size:
         return f"prompt_ids must be in [0, {vocab_size}), got [{prompt.min()}, {prompt.max()}]"
     try:
