@@ -226,3 +226,15 @@ def test_extends_mistakes_are_one_line(tmp_path, text, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)) as info:
         load_config(tmp_path / "loop.toml")
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("job", sorted(p.name for p in (ROOT / "train_configs").glob("*.toml")))
+def test_every_committed_job_file_loads_and_its_environment_serves_prompts(job):
+    """A key renamed in code but not in a committed job file would stop that job at start-up."""
+    from torchtitan_rl.envs import build_environment
+
+    config = load_config(ROOT / "train_configs" / job)
+    if config.env.name.startswith("reasoning_gym:"):
+        pytest.importorskip("reasoning_gym")
+    environment = build_environment(config.env, config.job.seed, config.env_args())
+    assert environment.train_sample(0) and environment.validation_samples(2)
