@@ -186,6 +186,17 @@ def test_an_interrupt_says_whether_the_same_command_resumes(tmp_path):
     assert "resumes after RL step 3" in _resume_hint(Controller(config, use_tqdm=False))
 
 
+@pytest.mark.usefixtures("package_logger_restored")
+def test_a_step_whose_rollouts_all_errored_is_not_also_called_short_of_spread(tmp_path, caplog):
+    controller = Controller(load_config(TINY, [f"--job.output_dir={tmp_path}"]), use_tqdm=False)
+    logging.getLogger("torchtitan_rl").propagate = True
+    with caplog.at_level(logging.WARNING, logger="torchtitan_rl"):
+        asyncio.run(controller._train([], 3, all_errored=True))  # its error lines say why
+        assert "nothing to train on" not in caplog.text
+        asyncio.run(controller._train([], 4))
+    assert "step 4: nothing to train on (no group had reward spread)" in caplog.text
+
+
 @pytest.mark.parametrize(("max_error_steps", "stops_at"), [(2, 4), (3, 5), (0, None)])
 def test_max_error_steps_stops_a_run_whose_rollouts_all_error(
     tmp_path, capsys, max_error_steps, stops_at

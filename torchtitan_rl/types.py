@@ -158,6 +158,13 @@ class RolloutGroup:
     """The training prompt's dataset index (None for validation and test groups)."""
 
 
+def every_rollout_errored(groups: list[RolloutGroup]) -> bool:
+    """Whether `groups` hold rollouts and every one of them errored: then the error lines,
+    not a lack of reward spread, say why a step trains on nothing."""
+    statuses = [r.status for g in groups for r in g.rollouts]
+    return bool(statuses) and all(s.is_error() for s in statuses)
+
+
 @dataclass(kw_only=True, slots=True)
 class Episode:
     """One packed token sequence for one rollout branch.

@@ -36,6 +36,7 @@ from torchtitan_rl.types import (
     RolloutStatus,
     RolloutTurn,
     SamplingParams,
+    every_rollout_errored,
 )
 
 if TYPE_CHECKING:
@@ -427,8 +428,7 @@ class Rollouter:
             kept.extend(g for g in groups if not cfg.filter_zero_std_groups or group_has_signal(g))
         kept, surplus = kept[: cfg.prompts_per_step], kept[cfg.prompts_per_step :]
         short_of = cfg.prompts_per_step if self._fewest_kept is None else self._fewest_kept
-        every_one_errored = all(r.status.is_error() for g in sampled for r in g.rollouts)
-        if len(kept) < short_of and not every_one_errored:  # errors are reported as such
+        if len(kept) < short_of and not every_rollout_errored(sampled):
             self._fewest_kept = len(kept)
             logger.warning(
                 "step %d: only %d of %d groups have reward spread after %d refill rounds "
