@@ -230,6 +230,18 @@ def test_cli_env_that_fails_to_import_is_one_line(tmp_path):
     assert "alphabet_sort" in lines[0]
 
 
+def test_cli_without_a_dependency_says_which_python_lacks_it(tmp_path):
+    code = (
+        "import sys; sys.modules['tomli'] = None\n"
+        "from torchtitan_rl.train import main; sys.exit(main(sys.argv[1:]))"
+    )
+    rc, lines = _cli([], tmp_path, code=code)
+    assert rc == 1 and lines == [
+        f"error: 'tomli' is not installed for {sys.executable}: run from the environment you "
+        "installed torchtitan_rl into (pip install -e .)"
+    ]
+
+
 @pytest.mark.slow
 def test_cli_prompt_over_the_token_budget_ends_with_one_line(tmp_path):
     rc, lines = _cli(

@@ -36,6 +36,13 @@ def main(argv: list[str]) -> int:
     try:
         from torchtitan_rl.config import load_config, to_toml
     except Exception as e:  # e.g. a dependency that does not import
+        if _missing_dependency(e) and not debug:
+            print(
+                f"error: {e.name!r} is not installed for {sys.executable}: run from the "
+                "environment you installed torchtitan_rl into (pip install -e .)",
+                file=sys.stderr,
+            )
+            return 1
         return _fail(e, debug, 1, prefix="importing torchtitan_rl failed: ")
     config_file = os.environ.get("CONFIG_FILE") or DEFAULT_CONFIG
     if flags & {"--help", "-h"}:
@@ -49,6 +56,12 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # e.g. a user environment module that does not import
         return _fail(e, debug, 1)
     return _train(config, debug)
+
+
+def _missing_dependency(error: BaseException) -> bool:
+    """A package torchtitan_rl needs is absent (most often: the wrong Python is on PATH)."""
+    name = getattr(error, "name", None) or ""
+    return isinstance(error, ModuleNotFoundError) and name.split(".")[0] != "torchtitan_rl"
 
 
 def _print_help(config_file: str | Path, overrides: list[str]) -> int:
