@@ -186,17 +186,6 @@ def test_an_interrupt_says_whether_the_same_command_resumes(tmp_path):
     assert "resumes after RL step 3" in _resume_hint(Controller(config, use_tqdm=False))
 
 
-@pytest.mark.usefixtures("package_logger_restored")
-def test_a_step_whose_rollouts_all_errored_is_not_also_called_short_of_spread(tmp_path, caplog):
-    controller = Controller(load_config(TINY, [f"--job.output_dir={tmp_path}"]), use_tqdm=False)
-    logging.getLogger("torchtitan_rl").propagate = True
-    with caplog.at_level(logging.WARNING, logger="torchtitan_rl"):
-        asyncio.run(controller._train([], 3, all_errored=True))  # its error lines say why
-        assert "nothing to train on" not in caplog.text
-        asyncio.run(controller._train([], 4))
-    assert "step 4: nothing to train on (no group had reward spread)" in caplog.text
-
-
 @pytest.mark.parametrize(("max_error_steps", "stops_at"), [(2, 4), (3, 5), (0, None)])
 def test_max_error_steps_stops_a_run_whose_rollouts_all_error(
     tmp_path, capsys, max_error_steps, stops_at
@@ -269,7 +258,9 @@ def test_nothing_to_train_on_is_said_once_not_every_step(tmp_path, caplog):
     diagnostics = StepDiagnostics(tmp_path, EnvConfig(), max_tokens=8)
     logging.getLogger("torchtitan_rl").propagate = True
     with caplog.at_level(logging.WARNING, logger="torchtitan_rl"):
+        errored = _rollouts([RolloutStatus.ERROR_ENV] * 2)
+        diagnostics.report_nothing_to_train(2, errored)  # its error line says why
         for step in (3, 4, 7):
-            diagnostics.report_nothing_to_train(step)
+            diagnostics.report_nothing_to_train(step, [])
     assert caplog.text.count("nothing to train on") == 1
     assert "step 3: nothing to train on" in caplog.text

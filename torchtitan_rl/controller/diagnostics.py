@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from torchtitan_rl.envs.base import EnvConfig
-from torchtitan_rl.types import Rollout, RolloutGroup, RolloutStatus
+from torchtitan_rl.types import Rollout, RolloutGroup, RolloutStatus, every_rollout_errored
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +103,12 @@ class StepDiagnostics:
                 f"first error: {errored[0].error}; tracebacks in {self.errors_log}"
             )
 
-    def report_nothing_to_train(self, step: int) -> None:
+    def report_nothing_to_train(self, step: int, groups: list[RolloutGroup]) -> None:
         """A step without a single loss token: said at the first such step, then counted
-        (`trainer/*` tags are simply absent at those steps)."""
+        (`trainer/*` tags are simply absent at those steps). Not for a step whose rollouts
+        (`groups`: all it sampled) all errored: its error line says why."""
+        if every_rollout_errored(groups):
+            return
         self._idle_steps += 1
         if self._idle_steps == 1:
             logger.warning(

@@ -60,13 +60,7 @@ from torchtitan_rl.rollout.ledger import PromptLedger
 from torchtitan_rl.rollout.rollouter import CollectedBatch, Rollouter
 from torchtitan_rl.rollout.router import Router
 from torchtitan_rl.rollout.staleness import split_stale
-from torchtitan_rl.types import (
-    Episode,
-    GenerateFn,
-    RolloutGroup,
-    SamplingParams,
-    every_rollout_errored,
-)
+from torchtitan_rl.types import Episode, GenerateFn, RolloutGroup, SamplingParams
 from torchtitan_rl.weight_sync.transport import WeightSync
 
 logger = logging.getLogger(__name__)
@@ -339,8 +333,10 @@ class Controller:
         self.ledger.requeue([g.sample_index for g in batch.stale])
         for group in batch.groups:
             compute_advantages(group, self.config.advantage)
-        sampled = [*batch.groups, *batch.stale, *batch.filtered, *batch.surplus]
-        train_metrics = await self._train(batch.groups, step, every_rollout_errored(sampled))
+        train_metrics = await self._train(batch.groups, step)
+        if "trainer/policy_version" not in train_metrics:  # no optimizer step
+            sampled = [*batch.groups, *batch.stale, *batch.filtered, *batch.surplus]
+            self.diagnostics.report_nothing_to_train(step, sampled)
         self.trainer_version = int(train_metrics.get("trainer/policy_version", version))
         t_train = time.perf_counter()
         if self.lag and cfg.ahead == "pipelined":
@@ -367,13 +363,10 @@ class Controller:
             )
         return "; ".join(phrases)
 
-    async def _train(
-        self, groups: list[RolloutGroup], step: int, all_errored: bool = False
-    ) -> dict[str, float]:
+    async def _train(self, groups: list[RolloutGroup], step: int) -> dict[str, float]:
         """One RL step on the trainer: an optimizer step per minibatch of whole groups
         (`training.minibatches`), in one call (pi_old is recomputed before the first).
-        `all_errored`: every rollout of the step errored (its error lines say why it trains
-        on nothing)."""
+        Nothing to train on: no call, and no `trainer/*` scalars."""
         n = self.config.training.minibatches
         updates, packed = [], []
         for chunk in (groups[i::n] for i in range(n)):
@@ -383,8 +376,6 @@ class Controller:
                 updates.append(batches)
         metrics = results(merge(packed))
         if not updates:
-            if not all_errored:
-                self.diagnostics.report_nothing_to_train(step)
             return metrics
         out = await self.trainer.train_step.call(updates, self.config.rollout.temperature)
         return {**metrics, **next(iter(out.values()))}
