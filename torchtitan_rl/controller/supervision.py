@@ -44,7 +44,7 @@ PEER_REPORT_WAIT_S = 30.0
 process that died: ~10 s for a process, launcher.host_timeout_s + ~9 s for a whole host."""
 
 NAMED_REPORT_WAIT_S = 15.0
-"""When the first word of a death names none of our actors (Monarch's own per-process
+"""When the first report of a death names none of our actors (Monarch's own per-process
 actors, e.g. its logger, can report the same death first), how long to wait for the report
 that names ours."""
 
