@@ -184,12 +184,12 @@ class Supervisor:
     def _failure(self, report: str) -> ActorFailure:
         """The one line, plus the dead process's Python stacks file when it wrote one."""
         line = describe_failure(report, self.names, self.where, self.hosts)
-        ours = _our_actor(report, self.names)
-        if ours is not None and self.log_dir is not None:
-            path = fault_log_path(self.log_dir, ours[0], int(ours[1]))
+        name, rank = _our_actor(report, self.names) or (None, 0)
+        if name is not None and self.log_dir is not None:
+            path = fault_log_path(self.log_dir, name, rank)
             if path.is_file() and path.stat().st_size:
                 line += f"; its Python stacks at death: {path}"
-        return ActorFailure(line, ours[0] if ours else None)
+        return ActorFailure(line, name)
 
     def translate(self, error: BaseException) -> BaseException:
         """A dead actor's SupervisionError (or an ActorError wrapping one) as ActorFailure;
