@@ -83,7 +83,6 @@ def run_vllm(model, args, prompts: np.ndarray, device, dtype_name: str) -> dict:
         max_seq_len=args.prompt_len + args.output_len,
         dtype=dtype_name,
         block_size=16 if device.type == "cuda" else 32,
-        max_steps_per_iteration=16,
         enable_prefix_cache=False,
     )
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,11 +16,13 @@ VOCAB = 97
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
-def make_engine(**overrides) -> Engine:
-    config = EngineConfig(max_num_seqs=4, max_seq_len=48, max_steps_per_iteration=2)
+def make_engine(*, threaded: bool = False, steps_per_yield: int = 2, **overrides) -> Engine:
+    """An engine on the inline driver by default: tests place weight loads between given
+    steps (the threaded driver has its own tests)."""
+    config = EngineConfig(max_num_seqs=4, max_seq_len=48)
     for key, value in overrides.items():
         setattr(config, key, value)
-    return Engine(tiny_qwen3(), config)
+    return Engine(tiny_qwen3(), config, threaded=threaded, steps_per_yield=steps_per_yield)
 
 
 def prompt(n: int, offset: int = 0) -> np.ndarray:
@@ -99,7 +101,7 @@ def test_logprobs_match_full_forward_log_softmax():
 
 def test_request_submitted_while_others_run_joins_the_batch_and_completes():
     async def main():
-        engine = make_engine(max_steps_per_iteration=1)
+        engine = make_engine(steps_per_yield=1)
         long = [
             asyncio.create_task(
                 engine.generate(prompt(5, i), request_id=f"long{i}", sampling=GREEDY)
@@ -219,7 +221,7 @@ def test_load_weights_mid_run_changes_later_logprobs_and_reports_version_range()
     sampling = replace(GREEDY, max_tokens=20)
 
     async def main(swap: bool):
-        engine = make_engine(max_steps_per_iteration=1)
+        engine = make_engine(steps_per_yield=1)
         task = asyncio.create_task(engine.generate(prompt(5), request_id="r", sampling=sampling))
         await yield_loop(6)
         if swap:
@@ -248,7 +250,7 @@ def test_load_weights_before_first_request_applies_immediately():
 
 def test_close_fails_running_and_queued_requests_without_hanging():
     async def main():
-        engine = make_engine(max_num_seqs=1, max_steps_per_iteration=1)
+        engine = make_engine(max_num_seqs=1, steps_per_yield=1)
         slow = replace(GREEDY, max_tokens=40)
         tasks = [
             asyncio.create_task(engine.generate(prompt(3, i), request_id=str(i), sampling=slow))
@@ -267,7 +269,7 @@ def test_close_fails_running_and_queued_requests_without_hanging():
 
 def test_cancelled_request_frees_its_slot_for_the_next():
     async def main():
-        engine = make_engine(max_num_seqs=1, max_steps_per_iteration=1)
+        engine = make_engine(max_num_seqs=1, steps_per_yield=1)
         with pytest.raises(TimeoutError):
             slow = replace(GREEDY, max_tokens=40)
             await asyncio.wait_for(
@@ -303,7 +305,6 @@ def test_engine_config_rejects_bad_values_naming_the_field():
         ("max_num_seqs", 0),
         ("max_seq_len", 1),
         ("dtype", "fp8"),
-        ("max_steps_per_iteration", 0),
     ]:
         config = EngineConfig()
         setattr(config, field, value)

@@ -23,11 +23,14 @@ from torchtitan_rl.types import FinishReason, SamplingParams
 STOPS = tuple(range(0, 97, 9))  # 11 of 97 ids: sampled rows stop after a few tokens
 
 
-def engine(look_ahead: bool, **overrides) -> Engine:
-    config = EngineConfig(max_num_seqs=6, max_seq_len=40, max_steps_per_iteration=5)
+def engine(look_ahead: bool, steps_per_yield: int = 5, **overrides) -> Engine:
+    """On the inline driver: both engines see requests and pulls between the same steps."""
+    config = EngineConfig(max_num_seqs=6, max_seq_len=40)
     for key, value in overrides.items():
         setattr(config, key, value)
-    return Engine(tiny_qwen3(), config, look_ahead=look_ahead)
+    return Engine(
+        tiny_qwen3(), config, look_ahead=look_ahead, threaded=False, steps_per_yield=steps_per_yield
+    )
 
 
 def samplings(n: int, **changes) -> list[SamplingParams]:
@@ -106,9 +109,13 @@ def test_cancelled_request_mid_run_leaves_the_others_identical():
     assert_identical(got, ref)
 
 
-def test_weight_pull_between_iterations_gives_identical_versions_and_tokens():
-    async def main(look_ahead: bool):
-        e = engine(look_ahead, max_steps_per_iteration=3)
+def test_the_step_in_flight_at_a_pull_finishes_under_its_weights():
+    """A pull first finishes the step in flight (queued under the old weights): with
+    look-ahead and 3 steps a pass, the tokens and versions are those of stepping 4 steps
+    under the old weights, then pulling."""
+
+    async def main(look_ahead: bool, steps_per_yield: int):
+        e = engine(look_ahead, steps_per_yield=steps_per_yield)
         params = samplings(4, stop_token_ids=())
         tasks = [
             asyncio.ensure_future(e.generate(prompt(5, i), request_id=str(i), sampling=s))
@@ -121,7 +128,7 @@ def test_weight_pull_between_iterations_gives_identical_versions_and_tokens():
         await e.close()
         return outs
 
-    got, ref = run(main(True)), run(main(False))
+    got, ref = run(main(True, 3)), run(main(False, 4))
     assert any(c.policy_version_min == 0 and c.policy_version_max == 1 for c in ref)
     assert_identical(got, ref)
 
@@ -133,7 +140,7 @@ def test_cuda_graph_engine_look_ahead_gives_identical_completions():
     params = samplings(10)
 
     def cuda_engine(look_ahead: bool) -> Engine:
-        config = EngineConfig(max_num_seqs=6, max_seq_len=40, max_steps_per_iteration=5)
+        config = EngineConfig(max_num_seqs=6, max_seq_len=40)
         return Engine(tiny_qwen3(), config, "cuda", look_ahead=look_ahead)
 
     got, ref = (

@@ -95,7 +95,7 @@ def test_hot_swap_changes_logprobs_from_the_next_token_and_reports_both_versions
     sampling = replace(GREEDY, max_tokens=20)
 
     async def main():
-        engine = make_engine(max_steps_per_iteration=1, recompute_on_sync=recompute)
+        engine = make_engine(steps_per_yield=1, recompute_on_sync=recompute)
         task = asyncio.create_task(engine.generate(prompt(5), request_id="r", sampling=sampling))
         await yield_loop(6)
         engine.load_weights(new.state_dict(), version=1)
@@ -120,7 +120,7 @@ def test_drain_mode_finishes_running_requests_before_swapping_and_never_mixes():
     sampling = replace(GREEDY, max_tokens=15)
 
     async def main():
-        engine = make_engine(max_steps_per_iteration=1, weight_sync_mode="drain")
+        engine = make_engine(steps_per_yield=1, weight_sync_mode="drain")
         early = [
             asyncio.create_task(
                 engine.generate(prompt(5, i), request_id=f"e{i}", sampling=sampling)
@@ -178,7 +178,7 @@ def test_request_admitted_after_a_pull_never_reuses_keys_values_of_older_weights
     sampling = replace(GREEDY, max_tokens=20)
 
     async def main():
-        engine = make_engine(block_size=4, max_steps_per_iteration=1, recompute_on_sync=recompute)
+        engine = make_engine(block_size=4, steps_per_yield=1, recompute_on_sync=recompute)
         running = asyncio.create_task(
             engine.generate(running_prompt, request_id="running", sampling=sampling)
         )

@@ -60,7 +60,7 @@ def test_cuda_engine_with_graphs_and_paged_kernel_matches_cpu_engine():
     from torchtitan_rl.generation.interface import EngineConfig
     from torchtitan_rl.types import SamplingParams
 
-    config = dict(max_num_seqs=4, max_seq_len=48, block_size=4, max_steps_per_iteration=4)
+    config = dict(max_num_seqs=4, max_seq_len=48, block_size=4)
     samplings = [SamplingParams(temperature=0.0, max_tokens=20 + i) for i in range(6)]
 
     async def serve(device):

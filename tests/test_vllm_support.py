@@ -116,7 +116,7 @@ def test_weight_path_names_host_or_device_tensors():
 
 
 def _engine(llm) -> VllmEngine:
-    config = EngineConfig(backend="vllm", max_seq_len=64, max_steps_per_iteration=1)
+    config = EngineConfig(backend="vllm", max_seq_len=64)
     return VllmEngine(
         llm,
         config,
@@ -124,6 +124,8 @@ def _engine(llm) -> VllmEngine:
         state_dict_adapter=SimpleNamespace(to_hf=lambda state: state),
         sampling_class=SimpleNamespace,
         features=detect_features(llm),
+        threaded=False,  # the test places pulls between given steps
+        steps_per_yield=1,
     )
 
 

@@ -138,6 +138,11 @@ class GeneratorActor(Actor):
         return {k: v.detach().cpu() for k, v in params}
 
     @concurrent_endpoint
+    async def engine_stats(self) -> dict[str, int]:
+        """The native engine's step counters (`Engine.stats`); empty for vLLM."""
+        return dict(getattr(self.engine, "stats", {}))
+
+    @concurrent_endpoint
     async def policy_version(self) -> int:
         return self.engine.policy_version
 

@@ -1,7 +1,7 @@
 """The native generation engine: continuous batching over a paged KV cache.
 
 Its asyncio front (submit, queue, the pull -> admit -> steps loop, close) is the seam's
-`EngineFront` (generation/interface.py); this module supplies the verbs: admitting from the
+`EngineFront` (generation/front.py); this module supplies the verbs: admitting from the
 scheduler's queue, stepping the running batch (`_steps`), applying weights.
 
 Each request samples with its own generator seeded from `SamplingParams.seed`, so its
@@ -23,7 +23,8 @@ from torchtitan.models.qwen3 import Qwen3Model
 from torchtitan_rl.device import DTYPES, to_device_async
 from torchtitan_rl.generation.block_manager import BlockManager
 from torchtitan_rl.generation.cuda_graphs import DecodeGraphs
-from torchtitan_rl.generation.interface import EngineConfig, EngineFront
+from torchtitan_rl.generation.front import EngineFront
+from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.generation.model_runner import ModelRunner
 from torchtitan_rl.generation.sampling import RowPlan, SampleResult, sample_tokens
 from torchtitan_rl.generation.scheduler import Request, Scheduler
@@ -86,13 +87,16 @@ class Engine(EngineFront):
         device: torch.device | str = "cpu",
         *,
         look_ahead: bool | None = None,
+        threaded: bool = True,
+        steps_per_yield: int = 8,
     ) -> None:
         """`look_ahead`: queue each forward before reading the previous step's tokens
         (`_steps`); None: on CUDA, where it keeps the device busy while the host records
         tokens. On CPU it only adds a wasted row per finished request (tests turn it on
-        there to check it changes no result)."""
+        there to check it changes no result). `threaded`, `steps_per_yield`: the front's
+        driver (generation/front.py)."""
         config = config.for_device(torch.device(device).type)
-        super().__init__(config)
+        super().__init__(config, threaded=threaded, steps_per_yield=steps_per_yield)
         self._runner = ModelRunner(
             model,
             num_blocks=config.total_blocks(),
@@ -113,6 +117,12 @@ class Engine(EngineFront):
         self._sched = Scheduler(blocks, max_num_seqs=config.max_num_seqs)
         self._look_ahead = self._runner.device.type == "cuda" if look_ahead is None else look_ahead
         self._rows: RowParams | None = None
+        self._ahead: tuple[list[Request], torch.Tensor, int] | None = None
+        """The step in flight: its rows, its logits (being computed), its weights version."""
+        self.stats = {"steps": 0, "drained_steps": 0, "prefill_rows_joined": 0}
+        """Counters since start: engine steps; those started with no step in flight (the
+        device idles while the host builds them); requests whose prefill joined a step
+        queued ahead."""
 
     @property
     def runner(self) -> ModelRunner:
@@ -120,7 +130,12 @@ class Engine(EngineFront):
 
     # ---- the verbs the front's loop calls (generation/interface.py) ----------------------
     def _enqueue(
-        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, future
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        future: asyncio.Future,
+        arrival_s: float,
     ) -> None:
         self._sched.waiting.append(
             Request(
@@ -129,7 +144,8 @@ class Engine(EngineFront):
                 sampling=sampling,
                 future=future,
                 generator=torch.Generator().manual_seed(sampling.seed),
-                arrival_s=time.perf_counter(),
+                arrival_s=arrival_s,
+                arrival_step=self.stats["steps"],
             )
         )
 
@@ -143,56 +159,96 @@ class Engine(EngineFront):
         self._sched.admit(time.perf_counter())
 
     def _drop_all(self) -> list[asyncio.Future]:
+        self._ahead = None
         return [request.future for request in self._sched.drop_all()]
 
     def _steps(self, num_steps: int) -> None:
         """Up to `num_steps` forwards over the running batch, each followed by sampling.
 
-        Look-ahead (on by default on CUDA): once step n's sampling is queued on the device,
-        step n+1's forward is queued too, fed with step n's tokens where they lie on the
-        device, and only then does the host wait for step n's tokens, record them and
-        resolve finished requests, while the device computes step n+1. A request that
-        finished at step n (stop token, length, cancelled) got one extra row in step n+1:
-        its sampled token is dropped, its key/value write landed in a block it owned and no
-        one shares (the last, unfilled one), and the next step is prepared afresh without
-        it. Tokens and generator draws of every kept row are those of stepping one at a
-        time, log-probs too up to the rounding of a batch that still holds finished rows. No look-ahead past the last step of an iteration (weights and new
-        requests come in between iterations), when a row wants its sampling support, or
-        when the cache has no block to spare."""
-        ahead: tuple[list[Request], torch.Tensor] | None = None
-        for k in range(num_steps):
-            if ahead is None:
-                self._drop_cancelled()
-                if not self._sched.running:
-                    return
-                batch = self._sched.prepare_step()  # may preempt: take the batch after
-                requests = list(self._sched.running)
-                logits_NV = self._runner.forward(batch)
-                self._sched.step_done(requests)
-            else:
-                requests, logits_NV = ahead
-            sampled = self._launch_sample(requests, logits_NV)
-            ahead = None
-            if k + 1 < num_steps and self._look_ahead and not sampled.support_wanted:
-                if all(not r.future.done() for r in requests):
-                    batch = self._sched.look_ahead_step(requests)
-                    if batch is not None:
-                        tokens = sampled.result.token_ids_N
-                        ahead = (requests, self._runner.forward_decode(batch, tokens))
-            self._record(requests, sampled)
-            if ahead is not None:
-                self._sched.step_done([r for r in requests if not r.future.done()])
+        Look-ahead (on by default on CUDA): once step k's sampling is queued on the device,
+        step k+1's forward is queued too, and only then does the host wait for step k's
+        tokens, record them and resolve finished requests, while the device computes step
+        k+1. Step k+1 holds every row of step k not already over, fed with its token where
+        it lies on the device, plus the prefill of every request admitted since (its
+        prompt from the host). A request that finished at step k (stop token, length,
+        cancelled) got one extra row in step k+1: its sampled token is dropped, its
+        key/value write landed in a block it owned and no one shares (the last, unfilled
+        one). Tokens and generator draws of every kept row are those of stepping one at a
+        time, log-probs too up to the rounding of a batch that still holds finished rows.
 
-    def _pull_weights(self) -> None:
-        for state, version in self._pending_weights:
+        The step in flight outlives this call: new requests and the next call join it
+        (nothing drains between calls). It is finished first before weights are pulled,
+        and not started when a row wants its sampling support or the cache has no block
+        to spare."""
+        for _ in range(num_steps):
+            if not (self._sched.running or self._ahead is not None):
+                return
+            self._step(look_ahead=self._look_ahead)
+
+    def _step(self, *, look_ahead: bool) -> None:
+        if self._ahead is None:
+            self._drop_cancelled()
+            if not self._sched.running:
+                return
+            batch = self._sched.prepare_step()  # may preempt: take the batch after
+            requests = list(self._sched.running)
+            logits_NV = self._runner.forward(batch)
+            self._sched.step_done(requests)
+            version = self._version
+            self.stats["drained_steps"] += 1
+        else:
+            requests, logits_NV, version = self._ahead
+            self._ahead = None
+        self.stats["steps"] += 1
+        sampled = self._launch_sample(requests, logits_NV)
+        if look_ahead and not sampled.support_wanted:
+            self._ahead = self._launch_look_ahead(requests, sampled)
+        self._record(requests, sampled, version)
+        if self._ahead is not None:
+            live = [r for r in self._ahead[0] if not r.is_over()]
+            self._sched.step_done(live)
+            if not live:  # every row finished: nothing to keep in flight
+                self._ahead = None
+
+    def _launch_look_ahead(self, requests: list[Request], sampled: _Sampled):
+        """Queues the forward of the step after `requests`' (see `_steps`): its rows, logits
+        and weights version; None when the cache has no block to spare."""
+        for request in requests:  # cancelled while in flight: give its blocks back
+            if request.future.done() and not request.finished:
+                self._sched.finish(request)
+                request.finished = True
+        keep = [i for i, r in enumerate(requests) if not r.is_over()]
+        continuing = [requests[i] for i in keep]
+        in_step = {id(r) for r in requests}
+        admitted = [r for r in self._sched.running if id(r) not in in_step]
+        if not continuing and not admitted:
+            return None
+        inputs = self._sched.look_ahead_step(continuing, admitted)
+        if inputs is None:
+            return None
+        tokens_N = sampled.result.token_ids_N
+        if len(keep) < len(requests):
+            tokens_N = tokens_N[_staged_index(keep, tokens_N.device)]
+        logits_NV = self._runner.forward_look_ahead(*inputs, tokens_N[: len(continuing)])
+        self.stats["prefill_rows_joined"] += len(admitted)
+        return continuing + admitted, logits_NV, self._version
+
+    def _flush(self) -> None:
+        """Finishes the step in flight, starting no other."""
+        if self._ahead is not None:
+            self._step(look_ahead=False)
+
+    def _pull_weights(self, pending) -> None:
+        self._flush()  # its forward ran under the weights it was queued with
+        for state, version in pending:
             self._runner.load_state_dict(state)
             self._version = version
-        self._pending_weights.clear()
         self._sched.weights_changed(self._version, recompute=self.config.recompute_on_sync)
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self._sched.running if r.future.done()]:
             self._sched.finish(request)
+            request.finished = True
 
     def _launch_sample(self, requests: list[Request], logits_NV: torch.Tensor) -> _Sampled:
         """Queues the sampling of each request's next token and the copy of the results to
@@ -219,21 +275,23 @@ class Engine(EngineFront):
         ready.record()
         return _Sampled(out, token_ids_N, logprobs_N, ready, rows.return_support)
 
-    def _record(self, requests: list[Request], sampled: _Sampled) -> None:
-        """Waits for a step's tokens, appends them, resolves the requests that finished.
-        Rows of requests already finished or cancelled (a look-ahead step's) are skipped."""
+    def _record(self, requests: list[Request], sampled: _Sampled, version: int) -> None:
+        """Waits for a step's tokens (computed under weights `version`), appends them,
+        resolves the requests that finished. Rows of requests already over (a look-ahead
+        step's) are skipped."""
         if sampled.ready is not None:
             sampled.ready.synchronize()
         out = sampled.result
         now = time.perf_counter()
         token_ids, logprobs = sampled.token_ids_N.tolist(), sampled.logprobs_N.tolist()
-        live = [(i, r) for i, r in enumerate(requests) if not r.future.done()]
+        live = [(i, r) for i, r in enumerate(requests) if not r.is_over()]
         for i, request in live:
             if not request.token_ids:
                 request.first_token_s = now
+                request.first_step = self.stats["steps"]
             request.token_ids.append(token_ids[i])
             request.logprobs.append(logprobs[i])
-            request.saw_version(self._version)
+            request.saw_version(version)
             if request.sampling.return_support:
                 assert out.support is not None
                 request.support.append(out.support[i].cpu().numpy())
@@ -242,6 +300,7 @@ class Engine(EngineFront):
             reason = self._finish_reason(request)
             if reason is not None:
                 self._sched.finish(request)
+                request.finished = True
                 self._resolve(request, reason, now, inflight)
 
     def _finish_reason(self, request: Request) -> FinishReason | None:
@@ -274,6 +333,7 @@ class Engine(EngineFront):
             support_offsets=support_offsets,
             metrics={
                 "generator/queue_time_ms": 1e3 * (request.admitted_s - request.arrival_s),
+                "generator/steps_to_first_token": float(request.first_step - request.arrival_step),
                 "generator/time_to_first_token_ms": 1e3
                 * (request.first_token_s - request.arrival_s),
                 "generator/decode_time_ms": 1e3 * (now - request.first_token_s),
@@ -282,5 +342,8 @@ class Engine(EngineFront):
                 "generator/preemptions": float(request.num_preemptions),
             },
         )
-        if not request.future.done():
-            request.future.set_result(completion)
+        self._complete(request.future, completion)
+
+
+def _staged_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return to_device_async(torch.tensor(rows, dtype=torch.long), device)

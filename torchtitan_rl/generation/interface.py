@@ -4,22 +4,11 @@
 - `EngineConfig`: the settings both engines read (TOML section [generator]);
 - `request_error` / `error_completion`: which requests cannot be served, and how they come
   back;
-- `EngineFront`: the asyncio submit/poll front both engines share. `generate` validates a
-  request, queues it and awaits its future; one background task (started on the first
-  request, on the running loop) repeats
-
-      pull weights (hot swap: now; drain: once nothing runs) -> admit (queue -> batch)
-      -> up to `max_steps_per_iteration` engine steps -> yield to the event loop
-
-  and sleeps on an event while there is nothing to do. Engine steps are synchronous inside
-  the task, so nothing else on the loop (a weight update, a new request, `close`) can
-  interleave with one. Each engine supplies the verbs (`_enqueue`, `_pull_weights`,
-  `_admit`, `_steps`, ...); neither engine imports the other.
+The asyncio front both engines share (`EngineFront`) lives in generation/front.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
@@ -63,8 +52,6 @@ class EngineConfig:
     """Prompt + output tokens per sequence, >= 2; prompts may hold at most max_seq_len - 1."""
     dtype: DtypeName = "float32"
     """Weights, activations and KV cache dtype: "float32" | "bfloat16"."""
-    max_steps_per_iteration: int = 8
-    """Decode steps between yields to the event loop (new requests join at yields), >= 1."""
     block_size: int = 0
     """Tokens per KV cache block (the unit of allocation and of prefix reuse), >= 0; 0 picks
     the backend's: 16, or 32 for vLLM on CPU (where it must be a multiple of 32)."""
@@ -91,7 +78,7 @@ class EngineConfig:
     torch.compile and CUDA graphs, else eager); no effect on CPU."""
 
     def validate(self) -> None:
-        for name in ("num_replicas", "max_num_seqs", "max_steps_per_iteration"):
+        for name in ("num_replicas", "max_num_seqs"):
             check_range(f"generator.{name}", getattr(self, name), ge=1)
         check_range("generator.block_size", self.block_size, ge=0)
         check_range("generator.max_seq_len", self.max_seq_len, ge=2)
@@ -195,150 +182,3 @@ def error_completion(request_id: str, error: str, policy_version: int = 0) -> Co
         policy_version_max=policy_version,
         error=error,
     )
-
-
-class EngineFront:
-    """The asyncio front of an engine (module docstring). Call every method from the event
-    loop thread the engine runs on.
-
-    An engine subclasses it and implements:
-    - `_enqueue(request_id, prompt_ids, sampling, future)`: queue a valid request;
-    - `_has_waiting()` / `_has_running()`: requests queued / in the running batch;
-    - `_pull_weights()`: apply `self._pending_weights` (oldest first), clear it, set
-      `self._version`; called between engine steps, never inside one;
-    - `_may_admit()`: False while queued requests must wait (vLLM: a pending cache reset);
-    - `_admit()`, `_steps(num_steps)`: queue -> running batch; up to num_steps engine steps;
-    - `_drop_all()`: forget every request, returning their futures;
-    - `_shutdown()`: release the engine once the loop has stopped.
-    """
-
-    def __init__(self, config: EngineConfig) -> None:
-        config.validate()
-        self.config = config
-        self.vocab_size = 0
-        """Set by the engine: prompts must hold ids below it."""
-        self._version = 0
-        self._pending_weights: list[tuple[dict[str, torch.Tensor], int]] = []
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
-
-    @property
-    def policy_version(self) -> int:
-        """Version of the weights the engine computes with now."""
-        return self._version
-
-    async def generate(
-        self,
-        prompt_ids: np.ndarray,
-        *,
-        request_id: str,
-        session_id: str | None = None,
-        sampling: SamplingParams | None = None,
-    ) -> Completion:
-        """Generates one completion. An invalid request comes back as an ERROR completion.
-
-        `session_id` needs no special handling: a turn that extends an earlier turn's
-        tokens finds them in the prefix cache by hash. Raises RuntimeError("engine
-        closed") if the engine is or gets closed.
-        """
-        if self._closed:
-            raise RuntimeError("engine closed")
-        sampling = sampling if sampling is not None else SamplingParams()
-        error = request_error(prompt_ids, sampling, self.config.max_seq_len, self.vocab_size)
-        if error is not None:
-            return error_completion(request_id, error, self._version)
-        self._ensure_loop()
-        future = asyncio.get_running_loop().create_future()
-        prompt = np.asarray(prompt_ids).astype(np.int64).tolist()
-        self._enqueue(request_id, prompt, sampling, future)
-        self._wake.set()
-        return await future
-
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Queues new weights (torchtitan names, full tensors); the loop pulls them in
-        between engine steps (see `EngineConfig.weight_sync_mode`), or now if it has not
-        started. The engine keeps references to the tensors until they are applied, so do
-        not modify them in the meantime."""
-        if self._closed:
-            raise RuntimeError("engine closed")
-        self._pending_weights.append((state, version))
-        if self._task is None:
-            self._pull_weights()
-        else:
-            self._wake.set()
-
-    async def close(self) -> None:
-        """Fails every outstanding request with RuntimeError("engine closed"), stops the
-        loop, releases the engine."""
-        if self._closed:
-            return
-        self._closed = True
-        self._fail_all("engine closed")
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._shutdown()
-
-    def _ensure_loop(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
-        elif self._task.done():
-            raise RuntimeError("engine loop stopped") from self._task.exception()
-
-    async def _loop(self) -> None:
-        try:
-            while True:
-                if not (self._has_waiting() or self._has_running() or self._pending_weights):
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                self._iteration()
-                await asyncio.sleep(0)
-        except Exception as exc:
-            self._fail_all(f"engine loop failed: {exc!r}")
-            raise
-
-    def _iteration(self) -> None:
-        drain = self.config.weight_sync_mode == "drain"
-        if self._pending_weights and not (drain and self._has_running()):
-            self._pull_weights()
-        if self._has_waiting() and self._may_admit() and not (drain and self._pending_weights):
-            self._admit()
-        if self._has_running():
-            self._steps(self.config.max_steps_per_iteration)
-
-    def _fail_all(self, message: str) -> None:
-        for future in self._drop_all():
-            if not future.done():
-                future.set_exception(RuntimeError(message))
-
-    # ---- what each engine implements ---------------------------------------------------
-    def _enqueue(
-        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, future
-    ) -> None:
-        raise NotImplementedError
-
-    def _has_waiting(self) -> bool:
-        raise NotImplementedError
-
-    def _has_running(self) -> bool:
-        raise NotImplementedError
-
-    def _pull_weights(self) -> None:
-        raise NotImplementedError
-
-    def _may_admit(self) -> bool:
-        return True
-
-    def _admit(self) -> None:
-        raise NotImplementedError
-
-    def _steps(self, num_steps: int) -> None:
-        raise NotImplementedError
-
-    def _drop_all(self) -> list[asyncio.Future]:
-        raise NotImplementedError
-
-    def _shutdown(self) -> None:
-        """Nothing to release by default."""

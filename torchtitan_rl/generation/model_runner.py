@@ -117,15 +117,7 @@ class ModelRunner:
         shares blocks with one prefilled in this batch reads them already written."""
         if not batch:
             raise ValueError("forward needs at least one sequence")
-        for seq in batch:
-            end = seq.start + len(seq.token_ids)
-            if not seq.token_ids or end > self.max_seq_len:
-                raise ValueError(
-                    f"a sequence must feed >= 1 token and end at <= max_seq_len="
-                    f"{self.max_seq_len}, got {len(seq.token_ids)} tokens ending at {end}"
-                )
-            if len(seq.block_table) * self.block_size < end:
-                raise ValueError(f"block table of {len(seq.block_table)} blocks < {end} tokens")
+        self._check(batch)
         multi = [i for i, s in enumerate(batch) if len(s.token_ids) > 1]
         if not multi:  # the common decode step; may be a view of a CUDA graph's output
             return self._decode(batch)
@@ -139,6 +131,32 @@ class ModelRunner:
         logits_BV.index_copy_(0, multi_R, self._forward_padded([batch[i] for i in multi]))
         logits_BV.index_copy_(0, single_R, self._decode([batch[i] for i in single]))
         return logits_BV
+
+    def _check(self, batch: list[SeqInput]) -> None:
+        for seq in batch:
+            end = seq.start + len(seq.token_ids)
+            if not seq.token_ids or end > self.max_seq_len:
+                raise ValueError(
+                    f"a sequence must feed >= 1 token and end at <= max_seq_len="
+                    f"{self.max_seq_len}, got {len(seq.token_ids)} tokens ending at {end}"
+                )
+            if len(seq.block_table) * self.block_size < end:
+                raise ValueError(f"block table of {len(seq.block_table)} blocks < {end} tokens")
+
+    @torch.inference_mode()
+    def forward_look_ahead(
+        self, decode: list[SeqInput], prefill: list[SeqInput], tokens_D: torch.Tensor
+    ) -> torch.Tensor:
+        """One step of decode rows whose tokens are on the device (`tokens_D[i]` is row i's
+        token, as in `forward_decode`) and rows that feed tokens from the host (`prefill`,
+        any number each); logits `[len(decode) + len(prefill), V]`, decode rows first."""
+        self._check(prefill)
+        if not prefill:
+            return self.forward_decode(decode, tokens_D)
+        logits_PV = self._forward_padded(prefill)
+        if not decode:
+            return logits_PV
+        return torch.cat([self.forward_decode(decode, tokens_D), logits_PV])
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -55,6 +55,10 @@ class Request:
     hashes: list[int] = field(default_factory=list)
     hash_epoch: int = 0
     """Weights epoch `hashes` are rooted at: the scheduler's at admission or recompute."""
+    arrival_step: int = 0
+    """Engine steps run when the engine took the request in."""
+    first_step: int = 0
+    """Engine steps run when its first token was recorded (that step included)."""
     admitted_s: float = 0.0
     first_token_s: float = 0.0
     prefix_hit_tokens: int = -1
@@ -62,6 +66,13 @@ class Request:
     num_preemptions: int = 0
     version_min: int | None = None
     version_max: int | None = None
+    finished: bool = False
+    """Set by the engine thread when it gives the request's blocks back (its future is
+    resolved later, on the caller's loop)."""
+
+    def is_over(self) -> bool:
+        """Finished, or given up by its caller."""
+        return self.finished or self.future.done()
 
     @property
     def tokens(self) -> list[int]:
@@ -149,22 +160,31 @@ class Scheduler:
             for r in self.running
         ]
 
-    def look_ahead_step(self, requests: list[Request]) -> list[SeqInput] | None:
-        """Inputs of the decode step after the one just computed for `requests`, before
-        its sampled tokens are known (they stay on the device): each row feeds one token
-        at position `num_computed`. Reserves that position's block; None (and the caller
-        steps normally, preempting if it must) when the cache has no block to spare."""
+    def look_ahead_step(
+        self, continuing: list[Request], admitted: list[Request]
+    ) -> tuple[list[SeqInput], list[SeqInput]] | None:
+        """Inputs of the step after the one just computed for `continuing`, before its
+        sampled tokens are known (they stay on the device): each of those rows feeds one
+        token at position `num_computed` (reserving that position's block); each request
+        `admitted` since feeds its pending tokens (its blocks were allocated at admission).
+        None (and the caller steps normally, preempting if it must) when the cache has no
+        block to spare."""
         bs = self.blocks.block_size
-        for request in requests:
+        for request in continuing:
             needed = request.num_computed + 1
             if len(request.block_table) * bs < needed and not self.blocks.grow(
                 request.block_table, needed
             ):
                 return None
-        return [
+        decode = [
             SeqInput(token_ids=[0], start=r.num_computed, block_table=r.block_table)
-            for r in requests
+            for r in continuing
         ]
+        prefill = [
+            SeqInput(token_ids=r.pending(), start=r.num_computed, block_table=list(r.block_table))
+            for r in admitted
+        ]
+        return decode, prefill
 
     def step_done(self, requests: list[Request]) -> None:
         """Records that a forward wrote every pending token of `requests`; blocks it filled

@@ -1,9 +1,9 @@
 """vLLM behind the generator's engine interface (`generator.backend = "vllm"`).
 
 vLLM's engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), started from a
-Hugging Face folder. The seam's `EngineFront` (generation/interface.py) drives it like the
-native engine: pull weights (between engine steps, never inside one) -> admit (our queue ->
-vLLM) -> up to `max_steps_per_iteration` engine steps -> yield to the event loop.
+Hugging Face folder. The seam's `EngineFront` (generation/front.py) drives it like the
+native engine, on the engine thread: pull weights (between engine steps, never inside one)
+-> admit (our queue -> vLLM) -> an engine step, and again.
 
 What the trainer needs from a completion, and how it comes out of vLLM:
 - log-probs of the sampled tokens after temperature and top-k/top-p (`logprobs_mode =
@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from torchtitan_rl.generation.interface import EngineConfig, EngineFront, error_completion
+from torchtitan_rl.generation.front import EngineFront
+from torchtitan_rl.generation.interface import EngineConfig, error_completion
 from torchtitan_rl.generation.vllm_support import (
     VllmFeatures,
     check_vllm_version,
@@ -188,10 +189,13 @@ class VllmEngine(EngineFront):
         sampling_class: Callable,
         features: VllmFeatures,
         cleanup: Callable[[], None] = lambda: None,
+        threaded: bool = True,
+        steps_per_yield: int = 8,
     ) -> None:
         """`llm`: a started vLLM `LLMEngine`; `sampling_class`: vLLM's `SamplingParams`;
-        `cleanup`: run at close, after vLLM shut down (undoes its process group)."""
-        super().__init__(config)
+        `cleanup`: run at close, after vLLM shut down (undoes its process group);
+        `threaded`, `steps_per_yield`: the front's driver (generation/front.py)."""
+        super().__init__(config, threaded=threaded, steps_per_yield=steps_per_yield)
         self.vocab_size = vocab_size
         self._llm = llm
         self._adapter = state_dict_adapter
@@ -208,7 +212,12 @@ class VllmEngine(EngineFront):
 
     # ---- the verbs the front's loop calls (generation/interface.py) ----------------------
     def _enqueue(
-        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, future
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        future: asyncio.Future,
+        arrival_s: float,
     ) -> None:
         self._waiting.append(
             _Pending(
@@ -216,7 +225,7 @@ class VllmEngine(EngineFront):
                 prompt_ids=prompt_ids,
                 sampling=sampling,
                 future=future,
-                arrival_s=time.perf_counter(),
+                arrival_s=arrival_s,
             )
         )
 
@@ -263,9 +272,9 @@ class VllmEngine(EngineFront):
         (model,) = self._llm.collective_rpc("get_model")
         return model.named_parameters()
 
-    def _pull_weights(self) -> None:
+    def _pull_weights(self, pending) -> None:
         before = self._version
-        for state, version in self._pending_weights:
+        for state, version in pending:
             path = weight_path(state)
             if path != self._weight_path:
                 logger.info("vLLM %s", path)
@@ -275,7 +284,6 @@ class VllmEngine(EngineFront):
                 "reload_weights", kwargs={"weights_iterator": hf_state.items()}
             )
             self._version = version
-        self._pending_weights.clear()
         if self._features.weight_versions:
             self._llm.set_weight_version(str(self._version))
         else:  # a batch may still be in flight under the old weights (vllm_support)
@@ -306,11 +314,10 @@ class VllmEngine(EngineFront):
             try:
                 self._llm.add_request(vllm_id, {"prompt_token_ids": request.prompt_ids}, params)
             except Exception as e:  # vLLM refused this request: it alone fails
-                if not request.future.done():
-                    error = f"{type(e).__name__}: {e}"
-                    request.future.set_result(
-                        error_completion(request.request_id, error, self._version)
-                    )
+                error = f"{type(e).__name__}: {e}"
+                self._complete(
+                    request.future, error_completion(request.request_id, error, self._version)
+                )
                 continue
             request.admitted_s = now
             self._running[vllm_id] = request
@@ -336,7 +343,7 @@ class VllmEngine(EngineFront):
             if output.finished:
                 del self._running[output.request_id]
                 if not request.future.done():
-                    request.future.set_result(self._completion(request, output))
+                    self._complete(request.future, self._completion(request, output))
 
     def _completion(self, request: _Pending, output) -> Completion:
         out = output.outputs[0]
