@@ -86,3 +86,81 @@ class DecodeGraphs:
         graph, out = self._graphs[(b, n)]
         graph.replay()
         return out[: len(batch)]
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """32, 64, 128, 256, 512, then every 256 up to max_tokens (always included)."""
+    small = [t for t in (32, 64, 128, 256) if t < max_tokens]
+    return [*small, *range(512, max_tokens, 256), max_tokens]
+
+
+class MixedGraphs:
+    """Captures `runner.packed_step` for every token-count bucket, for steps that mix decode
+    rows with prefill rows (or prefill alone): one graph per bucket, table columns at the
+    runner's maximum (the paged kernel reads each token's blocks up to its position only,
+    so wider tables cost nothing), logits for up to min(bucket, max_rows) rows. A step
+    larger than the largest bucket is not `fits`: the caller runs it eagerly."""
+
+    def __init__(self, runner: ModelRunner, *, max_rows: int, max_tokens: int = 2048) -> None:
+        if runner.device.type != "cuda" or runner.decode_attention != "triton":
+            raise ValueError("mixed-step graphs need a CUDA device and the triton attention")
+        self.runner = runner
+        self.max_rows = max_rows
+        self.buckets = token_buckets(max(max_tokens, 2 * max_rows))
+        M, N = self.buckets[-1], runner.max_blocks_per_seq
+        device = runner.device
+        self._tokens_M = torch.zeros(M, dtype=torch.long, device=device)
+        self._pos_M = torch.zeros(M, dtype=torch.long, device=device)
+        self._table_MN = torch.full((M, N), runner.scratch_block, dtype=torch.long, device=device)
+        self._last_R = torch.zeros(min(M, max_rows), dtype=torch.long, device=device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = runner.decode_graphs._pool if runner.decode_graphs is not None else None
+        self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self._capture_all()
+
+    def _rows(self, num_tokens: int) -> int:
+        return min(num_tokens, self.max_rows)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        for m in reversed(self.buckets):
+            args = (
+                self._tokens_M[:m],
+                self._pos_M[:m],
+                self._table_MN[:m],
+                self._last_R[: self._rows(m)],
+            )
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.runner.packed_step(*args)  # warm-up: compiles this shape's kernels
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.runner.packed_step(*args)
+            self._graphs[m] = (graph, out)
+        torch.cuda.synchronize()
+
+    def fits(self, batch: list[SeqInput]) -> bool:
+        return len(batch) <= self.max_rows and (
+            sum(len(s.token_ids) for s in batch) <= self.buckets[-1]
+        )
+
+    def run(self, batch: list[SeqInput], tokens_D: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits `[len(batch), V]` (a view into the graph's output). `tokens_D`: the tokens
+        of the first len(tokens_D) rows (one token each) already on the device; their
+        `token_ids` are ignored."""
+        num_tokens = sum(len(s.token_ids) for s in batch)
+        m = self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
+        r = self._rows(m)
+        host = self.runner.packed_inputs(batch, m, r, self._table_MN.shape[1])
+        device = self._tokens_M.device
+        for buffer, values in zip(
+            (self._tokens_M[:m], self._pos_M[:m], self._table_MN[:m], self._last_R[:r]), host
+        ):
+            buffer.copy_(to_device_async(values, device))
+        if tokens_D is not None:
+            self._tokens_M[: len(tokens_D)].copy_(tokens_D)
+        graph, out = self._graphs[m]
+        graph.replay()
+        return out[: len(batch)]

@@ -22,7 +22,7 @@ from torchtitan.models.qwen3 import Qwen3Model
 
 from torchtitan_rl.device import DTYPES, to_device_async
 from torchtitan_rl.generation.block_manager import BlockManager
-from torchtitan_rl.generation.cuda_graphs import DecodeGraphs
+from torchtitan_rl.generation.cuda_graphs import DecodeGraphs, MixedGraphs
 from torchtitan_rl.generation.front import EngineFront
 from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.generation.model_runner import ModelRunner
@@ -109,6 +109,8 @@ class Engine(EngineFront):
         self.vocab_size = self._runner.vocab_size
         if config.cuda_graphs and self._runner.device.type == "cuda":
             self._runner.decode_graphs = DecodeGraphs(self._runner, max_batch=config.max_num_seqs)
+            if self._runner.decode_attention == "triton":
+                self._runner.mixed_graphs = MixedGraphs(self._runner, max_rows=config.max_num_seqs)
         blocks = BlockManager(
             config.total_blocks(),
             config.block_size,

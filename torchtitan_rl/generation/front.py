@@ -179,10 +179,14 @@ class EngineFront:
         if not self._threaded:
             self._task = self._loop.create_task(self._inline_loop())
             return
-        # the engine thread computes on the GPU this (the caller's) thread has selected
+        # the engine thread computes on the GPU this (the caller's) thread has selected, with
+        # its CPU threads (OpenMP's count is per thread: vLLM's CPU attention checks it)
         cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._thread = threading.Thread(
-            target=self._thread_loop, args=(cuda,), name="engine", daemon=True
+            target=self._thread_loop,
+            args=(cuda, torch.get_num_threads()),
+            name="engine",
+            daemon=True,
         )
         self._thread.start()
 
@@ -199,7 +203,8 @@ class EngineFront:
             self._fail_all(f"engine loop failed: {exc!r}")
             raise
 
-    def _thread_loop(self, cuda: int | None) -> None:
+    def _thread_loop(self, cuda: int | None, cpu_threads: int) -> None:
+        torch.set_num_threads(cpu_threads)
         if cuda is not None:
             torch.cuda.set_device(cuda)
         try:

@@ -10,12 +10,16 @@ forward, so generator and trainer log-probs agree.
 Two paths over the same cache:
 - padded (any number of new tokens per sequence: prefill, recompute): projections and
   feed-forward over the packed new tokens (no padding rows), SDPA with a mask over a
-  padded `[B, T]` layout;
-- decode (one new token per sequence): static shapes and no host syncs, so it can be
-  captured in a CUDA graph per batch bucket (`cuda_graphs.py`).
+  padded `[B, T]` layout; eager;
+- packed (`packed_step`): the new tokens of every row in one list, each token with its
+  own position and block table, so decode rows (one token) and prefill rows (many) share
+  one set of projections and one attention call per layer; static shapes and no host
+  syncs, so it is captured in CUDA graphs: per batch and context bucket for pure decode
+  steps, per token-count bucket for mixed steps (`cuda_graphs.py`). Mixed steps larger
+  than the largest bucket, and every mixed step without CUDA graphs, take the padded path.
 
 Shape legend: B = sequences in this forward, T = new tokens per sequence (padded),
-M = new tokens of all sequences (packed), N = blocks per block table, S = gathered cache
+M = new tokens of all sequences (packed), R = rows whose logits a packed step returns, N = blocks per block table, S = gathered cache
 positions (N * block_size), E = model dim, Hq / Hkv = query / key-value heads
 (G = Hq / Hkv), X = Hkv * B, D = head dim, V = vocab.
 """
@@ -108,6 +112,7 @@ class ModelRunner:
             dtype=dtype,
         )
         self.decode_graphs = None  # set by cuda_graphs.DecodeGraphs
+        self.mixed_graphs = None  # set by cuda_graphs.MixedGraphs
         self._layer_qkv, self._layer_rest = _layer_qkv, _layer_rest  # see compile_decode
 
     @torch.inference_mode()
@@ -121,6 +126,8 @@ class ModelRunner:
         multi = [i for i, s in enumerate(batch) if len(s.token_ids) > 1]
         if not multi:  # the common decode step; may be a view of a CUDA graph's output
             return self._decode(batch)
+        if self.mixed_graphs is not None and self.mixed_graphs.fits(batch):
+            return self.mixed_graphs.run(batch)
         single = [i for i, s in enumerate(batch) if len(s.token_ids) == 1]
         if not single:
             return self._forward_padded(batch)
@@ -153,6 +160,8 @@ class ModelRunner:
         self._check(prefill)
         if not prefill:
             return self.forward_decode(decode, tokens_D)
+        if self.mixed_graphs is not None and self.mixed_graphs.fits(decode + prefill):
+            return self.mixed_graphs.run(decode + prefill, tokens_D)
         logits_PV = self._forward_padded(prefill)
         if not decode:
             return logits_PV
@@ -231,38 +240,78 @@ class ModelRunner:
         self, tokens_B: torch.Tensor, pos_B: torch.Tensor, table_BN: torch.Tensor
     ) -> torch.Tensor:
         """One token per row, static shapes, no host syncs: CUDA-graph capturable."""
+        return self.packed_step(tokens_B, pos_B, table_BN)
+
+    def packed_step(
+        self,
+        tokens_M: torch.Tensor,
+        pos_M: torch.Tensor,
+        table_MN: torch.Tensor,
+        last_R: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """A step over M packed tokens of any rows, each with its own position and its
+        row's block table (`table_MN[m]`); logits `[R, V]` at the tokens `last_R` (None: at
+        every token). Each layer writes every token's key/value before any attends, and a
+        query sees the keys at positions <= its own: a row's new tokens see each other
+        causally, whatever rows share the step. Static shapes and no host syncs:
+        CUDA-graph capturable (decode: one token per row; mixed steps: `cuda_graphs`)."""
         cache = self.kv_cache
-        slot_B = cache.slots(table_BN, pos_B[:, None]).squeeze(1)
-        rope = self._rope(pos_B)
+        slot_M = cache.slots(table_MN, pos_M[:, None]).squeeze(1)
+        rope = self._rope(pos_M)
         gather = self.decode_attention == "gather"
         if gather:
-            key_pos_S = torch.arange(table_BN.shape[1] * self.block_size, device=self.device)
-            # Keys after each row's position, masked in every layer: built once per step,
+            key_pos_S = torch.arange(table_MN.shape[1] * self.block_size, device=self.device)
+            # Keys after each token's position, masked in every layer: built once per step,
             # in the scores' own shape (a broadcast mask is slower to apply).
             Hkv = cache.k_L[0].shape[0]
-            hidden_XGS = (key_pos_S[None, :] > pos_B[:, None]).repeat(Hkv, 1)[:, None, :]
+            hidden_XGS = (key_pos_S[None, :] > pos_M[:, None]).repeat(Hkv, 1)[:, None, :]
             hidden_XGS = hidden_XGS.expand(-1, self.query_group, -1).contiguous()
-        h_BE = self.model.tok_embeddings(tokens_B)
+        h_ME = self.model.tok_embeddings(tokens_M)
         for layer_idx, layer in enumerate(self.model.layers.values()):
             attn = layer.attention
-            q_BHD, k_BHD, v_BHD = self._layer_qkv(layer, h_BE, *rope)
-            cache.write(layer_idx, slot_B, k_BHD, v_BHD)
+            q_MHD, k_MHD, v_MHD = self._layer_qkv(layer, h_ME, *rope)
+            cache.write(layer_idx, slot_M, k_MHD, v_MHD)
             if gather:
-                k_HBSD, v_HBSD = cache.gather(layer_idx, table_BN)
-                out_BHqD = _decode_attention(q_BHD, k_HBSD, v_HBSD, hidden_XGS, attn.scaling)
+                k_HMSD, v_HMSD = cache.gather(layer_idx, table_MN)
+                out_MHqD = _decode_attention(q_MHD, k_HMSD, v_HMSD, hidden_XGS, attn.scaling)
             else:
-                out_BHqD = paged_decode_attention(
-                    q_BHD,
+                out_MHqD = paged_decode_attention(
+                    q_MHD,
                     cache.k_L[layer_idx],
                     cache.v_L[layer_idx],
-                    table_BN,
-                    pos_B,
+                    table_MN,
+                    pos_M,
                     block_size=self.block_size,
                     scale=attn.scaling,
                     tile=128 if self.dtype == torch.bfloat16 else 64,
                 )
-            h_BE = self._layer_rest(layer, h_BE, out_BHqD)
-        return self.model.output(self.model.norm(h_BE)).float()
+            h_ME = self._layer_rest(layer, h_ME, out_MHqD)
+        h_RE = h_ME if last_R is None else h_ME.index_select(0, last_R)
+        return self.model.output(self.model.norm(h_RE)).float()
+
+    def packed_inputs(
+        self, batch: list[SeqInput], num_tokens: int, num_rows: int, num_blocks: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host tensors of `packed_step` for `batch`, padded to `num_tokens` tokens (they
+        write and read the scratch block only), `num_rows` logits rows (repeats of token
+        0) and `num_blocks` table columns: `(tokens_M, pos_M, table_MN, last_R)`."""
+        lens_R = np.fromiter((len(s.token_ids) for s in batch), np.int64, len(batch))
+        ends_R = np.cumsum(lens_R)
+        M = int(ends_R[-1])
+        tokens_M = np.zeros(num_tokens, dtype=np.int64)
+        tokens_M[:M] = [t for s in batch for t in s.token_ids]
+        offset_M = np.arange(M) - np.repeat(ends_R - lens_R, lens_R)
+        pos_M = np.zeros(num_tokens, dtype=np.int64)
+        pos_M[:M] = np.repeat([s.start for s in batch], lens_R) + offset_M
+        table_RN = np.full((len(batch), num_blocks), self.scratch_block, dtype=np.int64)
+        for i, s in enumerate(batch):
+            row = s.block_table[:num_blocks]
+            table_RN[i, : len(row)] = row
+        table_MN = np.full((num_tokens, num_blocks), self.scratch_block, dtype=np.int64)
+        table_MN[:M] = np.repeat(table_RN, lens_R, axis=0)
+        last_R = np.zeros(num_rows, dtype=np.int64)
+        last_R[: len(batch)] = ends_R - 1
+        return tuple(torch.from_numpy(a) for a in (tokens_M, pos_M, table_MN, last_R))
 
     def pack_projections(self) -> None:
         """Packs each layer's query/key/value weights, and its feed-forward w1/w3, into one

@@ -172,6 +172,9 @@ def start_vllm_engine(
         sampling_class=VllmSampling,
         features=features,
         cleanup=cleanup_dist_env_and_memory,
+        # vLLM's CPU attention fails from any thread but the one that started it (its
+        # scheduler metadata and its kernel disagree on the OpenMP thread count)
+        threaded=device.type == "cuda",
     )
 
 
