@@ -112,7 +112,9 @@ class RolloutConfig:
     (>= 0). 0: synchronous steps (generate, then train, then sync). N >= 1: batches are
     generated while the trainer trains, up to N // training.minibatches steps ahead (a step
     moves the policy one version per minibatch); a group with an older token is dropped
-    (counted in rollout/dropped_stale) and its prompt generated again."""
+    (counted in rollout/dropped_stale) and its prompt generated again. With
+    loss.old_logprobs = "recompute" and no [correction], tokens are then weighted by
+    min(pi_old / mu, 2) (docs/design.md, the three policies)."""
     ahead: Literal["pipelined", "streaming"] = "pipelined"
     """How batches run ahead when max_staleness >= 1. "pipelined": batches one after
     another, new weights sent only between two batches, so each batch comes from one known
