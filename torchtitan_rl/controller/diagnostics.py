@@ -47,16 +47,20 @@ class RunCannotLearn(RuntimeError):
 
 
 class StepDiagnostics:
-    def __init__(self, run_dir: Path, env: EnvConfig, max_tokens: int, max_error_steps: int = 0):
+    def __init__(
+        self, run_dir: Path, env: EnvConfig, max_tokens: int, max_error_steps: int = 0,
+        *, max_staleness: int = 0,
+    ):  # fmt: skip
         """`max_error_steps`: raise RunCannotLearn after this many consecutive training steps
-        whose rollouts all errored (0: never)."""
+        whose rollouts all errored (0: never); `max_staleness`: rollout.max_staleness, named
+        when a step's groups were all too stale."""
         self.errors_log = run_dir / "errors.log"
         self.env = env
         self.max_tokens = max_tokens
         self.max_error_steps = max_error_steps
-        self._warned: set[RolloutStatus] = set()
-        self._idle_steps = 0
-        """Steps that had nothing to train on so far."""
+        self.max_staleness = max_staleness
+        self._warned: set[RolloutStatus | str] = set()
+        """Degenerate statuses and reasons already announced (each once per run)."""
         self._error_steps = 0
         """Consecutive training steps so far in which every rollout errored."""
 
@@ -103,17 +107,35 @@ class StepDiagnostics:
                 f"first error: {errored[0].error}; tracebacks in {self.errors_log}"
             )
 
-    def report_nothing_to_train(self, step: int, groups: list[RolloutGroup]) -> None:
-        """A step without a single loss token: said at the first such step, then counted
-        (`trainer/*` tags are simply absent at those steps). Not for a step whose rollouts
-        (`groups`: all it sampled) all errored: its error line says why."""
+    def report_nothing_to_train(
+        self, step: int, groups: list[RolloutGroup], stale: list[RolloutGroup] = ()
+    ) -> None:
+        """A step without a single loss token: said at the first such step for each reason
+        (`trainer/*` tags are simply absent at those steps). `groups`: all it sampled, `stale`
+        included: the groups dropped for a token older than rollout.max_staleness allows. Not
+        for a step whose rollouts all errored: its error line says why.
+
+            step 4: nothing to train on (all 2 groups were too stale: rollout/dropped_stale
+                    = 8 rollouts with a token more than rollout.max_staleness=1 versions old;
+                    their prompts are generated again)
+        """
         if every_rollout_errored(groups):
             return
-        self._idle_steps += 1
-        if self._idle_steps == 1:
+        if stale:
+            reason = (
+                f"all {len(stale)} groups were too stale: "
+                f"rollout/dropped_stale = {sum(len(g.rollouts) for g in stale)} rollouts with "
+                f"a token more than rollout.max_staleness={self.max_staleness} versions old; "
+                "their prompts are generated again"
+            )
+        else:
+            reason = "no group had reward spread"
+        key = "stale" if stale else "spread"
+        if key not in self._warned:
+            self._warned.add(key)
             logger.warning(
-                "step %d: nothing to train on (no group had reward spread); later steps like "
-                "it are not announced", step,
+                "step %d: nothing to train on (%s); later steps like it are not announced",
+                step, reason,
             )  # fmt: skip
 
     def report_dropped(self, step: int, dropped: float, kept: float, seq_len: int) -> None:
