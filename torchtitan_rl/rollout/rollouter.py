@@ -124,7 +124,8 @@ class RolloutConfig:
     max_error_steps: int = 5
     """Stop the run (exit code 1, one line) after this many consecutive RL steps in which
     every rollout errored (a reward function that always raises, an environment that always
-    fails): such a run trains on nothing. >= 0; 0 never stops."""
+    fails) or was scored 0 by a scorer that raised on it (`envs.base.WrongAnswer`): such a run
+    trains on nothing. >= 0; 0 never stops."""
     batch_timeout_s: float = 1800.0
     """Seconds a step waits for its batch before the run stops with one line saying what the
     generators were doing (> 0); a slow or stuck environment ends the run, never hangs it."""
