@@ -9,6 +9,7 @@ N tokens d loss / d logp_t = -w_t A_t r_t 1[not clipped] / N.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -102,3 +103,31 @@ def test_default_weight_keeps_opsm_and_suits_every_loss():
         check_objective(loss, trainer_correction(loss, CorrectionConfig(), max_staleness=2))
     gspo = trainer_correction(LossConfig(name="gspo"), CorrectionConfig(), max_staleness=1)
     assert gspo.level == "geometric"
+
+
+class _Mesh:
+    """Stands in for a Monarch proc mesh: records what the trainer actor would be spawned with."""
+
+    def spawn(self, name, actor, **kwargs):
+        self.kwargs = kwargs
+
+
+@pytest.mark.usefixtures("package_logger_restored")
+@pytest.mark.parametrize(("staleness", "level"), [(2, "token"), (0, "none")])
+def test_the_trainer_is_spawned_with_the_default_weight_of_an_asynchronous_run(
+    tmp_path, caplog, staleness, level
+):
+    from torchtitan_rl.config import load_config
+    from torchtitan_rl.controller.launcher import spawn_trainer
+
+    overrides = [f"--rollout.max_staleness={staleness}", "--loss.old_logprobs=recompute"]
+    config = load_config(None, [f"--job.output_dir={tmp_path}", *overrides])
+    mesh = _Mesh()
+    logging.getLogger("torchtitan_rl").propagate = True
+    with caplog.at_level(logging.INFO, logger="torchtitan_rl.controller.launcher"):
+        spawn_trainer(mesh, config, vocab_size=8, log_dir=str(tmp_path))
+    correction = mesh.kwargs["correction"]
+    assert (correction.level, correction.ratio_max) == (level, 2.0)
+    assert config.correction.level == "none"  # the saved config stays what the user wrote
+    said = "each token is weighted by min(pi_old / mu, 2) (TIS at level 'token')"
+    assert (said in caplog.text) == (staleness > 0)
