@@ -118,8 +118,8 @@ def spawn_trainer(
     correction = trainer_correction(
         cfg.loss, cfg.correction, max_staleness=cfg.rollout.max_staleness
     )
-    if correction is not cfg.correction:
-        logger.info(
+    if correction is not cfg.correction:  # the objective differs from a synchronous run's
+        logger.warning(
             "rollout.max_staleness=%d with loss.old_logprobs='recompute': each token is "
             "weighted by min(pi_old / mu, %g) (TIS at level %r); set [correction] to choose "
             "another weight", cfg.rollout.max_staleness, BEHAVIOUR_WEIGHT_CAP, correction.level,
