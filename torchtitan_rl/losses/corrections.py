@@ -1,7 +1,8 @@
 """Training-inference mismatch corrections: weights built from pi_old / mu, and OPSM.
 
-Three policies (DESIGN.md): pi_theta is being trained, pi_old is the trainer's policy when
-the batch was made, mu is the generator that sampled. The PPO ratio pi_theta / pi_old lives
+Three policies (docs/design.md): pi_theta is being trained, pi_old is the trainer's policy
+at the step's first update (with asynchronous steps newer than the sampler), mu is the
+generator that sampled. The PPO ratio pi_theta / pi_old lives
 in `policy_loss`; this module builds the mismatch weight from pi_old / mu, once. Per loss
 token t of sequence i, with log c_t = log pi_old(t) - log mu(t):
 

@@ -1,7 +1,8 @@
 """GRPO-family policy losses over the loss tokens of one microbatch, chosen by `loss.name`.
 
-Three policies (DESIGN.md): pi_theta is being trained, pi_old is the trainer's policy when
-the batch was made, mu is the generator that sampled. `old_logprobs_N` is pi_old: recomputed
+Three policies (docs/design.md): pi_theta is being trained, pi_old is the trainer's policy
+at the step's first update (with asynchronous steps newer than the sampler), mu is the
+generator that sampled. `old_logprobs_N` is pi_old: recomputed
 by the trainer (`loss.old_logprobs = "recompute"`) or mu itself ("generator"). Per token t
 of sequence i, with r_t = exp(cap(logp_t - old_logp_t)) and advantage A_t:
 
