@@ -11,13 +11,17 @@ batch stuck in flight. Each test fails if its key were ignored:
 """
 
 import asyncio
+import logging
 
+import numpy as np
 import pytest
+from fakes import make_completion
 
 from torchtitan_rl.config import load_config
 from torchtitan_rl.controller.ahead import BatchTimeout
 from torchtitan_rl.controller.loop import Controller
 from torchtitan_rl.rollout.rollouter import CollectedBatch
+from torchtitan_rl.types import Rollout, RolloutGroup, RolloutTurn
 
 GUARD_S = 30.0
 """Ends a test that would otherwise wait rollout.batch_timeout_s's default (1800 s)."""
@@ -107,3 +111,57 @@ def test_a_bad_value_in_the_job_file_is_refused_at_load(tmp_path, key, value):
     job.write_text(f'extends = "alphabet_sort_tiny.toml"\n[rollout]\n{key} = {value}\n')
     with pytest.raises(ValueError, match=f"rollout.{key}"):
         load_config(job, [f"--job.output_dir={tmp_path}"])
+
+
+@pytest.mark.usefixtures("package_logger_restored")
+def test_a_step_whose_groups_were_all_dropped_as_stale_says_they_were_too_stale(tmp_path, caplog):
+    """Step 1's batch came from policy v0 while the trainer is at v3 (max_staleness = 1): its
+    groups had reward spread but are all dropped, and the line says that, not "no spread"."""
+    controller = _controller(tmp_path, "pipelined")
+
+    def group(index):
+        rollouts = [
+            Rollout(group_id=index, rollout_id=i, session_id=f"{index}-{i}", sample={})
+            for i in range(2)
+        ]
+        for rollout in rollouts:
+            rollout.turns.append(
+                RolloutTurn(
+                    prompt_ids=np.zeros(1, np.int32),
+                    completion=make_completion([5, 6]),
+                    assistant_text="",
+                    env_messages=[],
+                    reward_signals={},
+                )  # fmt: skip
+            )
+        return RolloutGroup(group_id=index, rollouts=rollouts, sample_index=index)
+
+    async def collect_batch(step, group_offset, generate_fn, *, draw):
+        return CollectedBatch(groups=[group(0), group(1)], next_index=2, rounds=1, filtered=[])
+
+    async def train(groups, step):
+        assert groups == []  # every group was dropped before packing
+        return {}
+
+    async def sync_weights():
+        return 0.0
+
+    controller.rollouter.collect_batch = collect_batch
+    controller._train, controller.sync_weights = train, sync_weights
+    controller.reporter = type("Reporter", (), {"report": staticmethod(lambda report: {})})
+    controller.trainer_version = 3
+
+    async def go():
+        controller.pipeline.fill(1 + controller.lag)
+        try:
+            await asyncio.wait_for(controller.rl_step(1), GUARD_S)
+        finally:
+            await controller.pipeline.close()
+
+    logging.getLogger("torchtitan_rl").propagate = True
+    with caplog.at_level(logging.WARNING, logger="torchtitan_rl"):
+        asyncio.run(go())
+    assert "step 1: nothing to train on (all 2 groups were too stale: " in caplog.text
+    assert "rollout/dropped_stale = 4 rollouts" in caplog.text
+    assert "rollout.max_staleness=1" in caplog.text
+    assert "reward spread" not in caplog.text

@@ -4,7 +4,14 @@ import pytest
 
 from torchtitan_rl.envs import ENVS, build_environment, resolve_environment
 from torchtitan_rl.envs.alphabet_sort import AlphabetSort, AlphabetSortConfig
-from torchtitan_rl.envs.base import EnvConfig, Environment, MessageEnv, Rubric, StepResult
+from torchtitan_rl.envs.base import (
+    EnvConfig,
+    Environment,
+    MessageEnv,
+    Rubric,
+    StepResult,
+    WrongAnswer,
+)
 from torchtitan_rl.envs.split import is_validation, split_sample
 from torchtitan_rl.types import Rollout
 
@@ -27,6 +34,22 @@ def test_rubric_lets_a_raising_reward_fn_propagate():
     rubric = Rubric([("ok", lambda r: 1.0, 1.0), ("broken", broken, 1.0)])
     with pytest.raises(KeyError):
         rubric.score(make_rollout())
+
+
+def test_rubric_scores_a_wrong_answer_raise_zero_and_keeps_its_line():
+    def malformed(rollout: Rollout) -> float:
+        raise WrongAnswer("ValueError: invalid literal for int() with base 10: 'seven'")
+
+    rubric = Rubric([("ok", lambda r: 1.0, 0.5), ("answer", malformed, 2.0)])
+    rollout = make_rollout()
+    assert rubric.score(rollout) == (0.5, {"ok": 1.0, "answer": 0.0})
+    assert (
+        rollout.scorer_error
+        == "answer: ValueError: invalid literal for int() with base 10: 'seven'"
+    )
+    fine = Rubric([("ok", lambda r: 1.0, 1.0)])
+    fine.score(rollout)
+    assert rollout.scorer_error is None  # scoring again says what this score saw
 
 
 def test_rubric_rejects_duplicate_names_empty_lists_and_nonfinite_weights():

@@ -264,3 +264,21 @@ def test_nothing_to_train_on_is_said_once_not_every_step(tmp_path, caplog):
             diagnostics.report_nothing_to_train(step, [])
     assert caplog.text.count("nothing to train on") == 1
     assert "step 3: nothing to train on" in caplog.text
+
+
+@pytest.mark.usefixtures("package_logger_restored")
+def test_a_step_whose_groups_were_all_too_stale_says_so_not_no_spread(tmp_path, caplog):
+    diagnostics = StepDiagnostics(tmp_path, EnvConfig(), max_tokens=8, max_staleness=1)
+    logging.getLogger("torchtitan_rl").propagate = True
+    stale = _rollouts([RolloutStatus.COMPLETED] * 3) + _rollouts([RolloutStatus.COMPLETED] * 3)
+    with caplog.at_level(logging.WARNING, logger="torchtitan_rl"):
+        diagnostics.report_nothing_to_train(2, stale, stale)
+        diagnostics.report_nothing_to_train(3, stale, stale)  # said once
+        diagnostics.report_nothing_to_train(4, [])  # another reason: said too
+    assert caplog.text.count("too stale") == 1
+    assert (
+        "step 2: nothing to train on (all 2 groups were too stale: rollout/dropped_stale = 6 "
+        "rollouts with a token more than rollout.max_staleness=1 versions old" in caplog.text
+    )
+    assert caplog.text.count("no group had reward spread") == 1
+    assert "step 4: nothing to train on (no group had reward spread)" in caplog.text

@@ -160,7 +160,75 @@ def test_rewards_come_from_the_datasets_scorer():
     assert group.rollouts[0].reward_breakdown == {"score_answer": 1.0}
 
 
-def test_a_raising_scorer_marks_the_rollout_error_reward(monkeypatch):
+def _prime_factorization():
+    config = _config("--env.name=reasoning_gym:prime_factorization")
+    return build_environment(config.env, config.job.seed, config.env_args())
+
+
+def test_a_scorer_that_raises_on_a_malformed_reply_scores_it_zero_and_trains_on_it():
+    from torchtitan_rl.controller.metrics import batch_metrics
+    from torchtitan_rl.rollout.rollouter import CollectedBatch
+
+    env = _prime_factorization()
+    sample = env.train_sample(0)
+    replies = [f"<answer>{sample['answer']}</answer>", "<answer>seven</answer>"]
+    entry = env.dataset[sample["index"]]
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        env.dataset.score_answer("seven", entry)  # the dataset's own scorer raises
+    generate = ScriptedGenerate(lambda call: replies[int(call.request_id.split("=")[3][0])])
+    group = asyncio.run(_rollouter(env, 2).run_group_rollouts(sample, generate, group_id=0, step=1))
+    right, malformed = group.rollouts
+    assert {right.status, malformed.status} == {RolloutStatus.COMPLETED}
+    assert (right.reward, malformed.reward) == (1.0, 0.0)
+    assert malformed.reward_breakdown == {"score_answer": 0.0}
+    assert malformed.scorer_error == (
+        "score_answer: ValueError: invalid literal for int() with base 10: 'seven'"
+    )
+    assert right.scorer_error is None
+    batch = CollectedBatch(groups=[group], next_index=1, rounds=1, filtered=[])
+    metrics = batch_metrics(batch)
+    assert metrics["rollout/scorer_raised"] == 1.0 and metrics["rollout/num_error_rollouts"] == 0
+    assert metrics["rollout_reward/zero_std_frac"] == 0.0  # a group with spread: it trains
+
+
+@pytest.mark.parametrize(("max_error_steps", "stops_at"), [(2, 4), (0, None)])
+def test_a_scorer_that_raises_on_every_rollout_stops_the_run_after_max_error_steps(
+    tmp_path, max_error_steps, stops_at
+):
+    from torchtitan_rl.controller.diagnostics import RunCannotLearn, StepDiagnostics
+
+    env = _prime_factorization()
+    diagnostics = StepDiagnostics(tmp_path, env.config, 8, max_error_steps)
+    rollouter = _rollouter(env, 2)
+    sample = env.train_sample(0)
+    scripts = {1: ["seven", "eight"], 2: ["seven", sample["answer"]], 3: ["x", "y"], 4: ["x", "y"]}
+    stopped = None
+    for step, replies in scripts.items():
+        generate = ScriptedGenerate(
+            lambda call, r=replies: f"<answer>{r[int(call.request_id.split('=')[3][0])]}</answer>"
+        )
+        group = asyncio.run(rollouter.run_group_rollouts(sample, generate, group_id=0, step=step))
+        try:
+            diagnostics.report(step, [group])
+        except RunCannotLearn as e:
+            stopped, message = step, str(e)
+            break
+    assert stopped == stops_at  # step 2 had a scored reply: the count starts again
+    if stops_at:
+        assert message.startswith(
+            "every rollout errored (scorer_raised) in 2 steps in a row (RL steps 3-4)"
+        )
+        assert "(rollout.max_error_steps=2)" in message
+        assert "first error: score_answer: ValueError: invalid literal for int()" in message
+
+
+def test_a_scorer_raising_for_a_bug_is_scored_zero_too_and_said(monkeypatch, tmp_path, caplog):
+    """A scorer cannot tell a bug from a malformed reply: a KeyError scores 0 as well, and the
+    step's line names it (a scorer that always raises stops the run, test above)."""
+    import logging
+
+    from torchtitan_rl.controller.diagnostics import StepDiagnostics
+
     env = _env()
 
     def broken(answer, entry):
@@ -170,8 +238,16 @@ def test_a_raising_scorer_marks_the_rollout_error_reward(monkeypatch):
     generate = ScriptedGenerate(lambda call: "<answer>x</answer>")
     sample = env.train_sample(0)
     group = asyncio.run(_rollouter(env, 2).run_group_rollouts(sample, generate, group_id=0, step=1))
-    assert {r.status for r in group.rollouts} == {RolloutStatus.ERROR_REWARD}
-    assert group.rollouts[0].error == "KeyError: 'metadata'"
+    assert {r.status for r in group.rollouts} == {RolloutStatus.COMPLETED}
+    assert group.rollouts[0].scorer_error == "score_answer: KeyError: 'metadata'"
+    logging.getLogger("torchtitan_rl").propagate = True
+    with caplog.at_level(logging.WARNING, logger="torchtitan_rl"):
+        StepDiagnostics(tmp_path, env.config, 8, max_error_steps=5).report(1, [group])
+    assert (
+        "step 1: all 2 rollouts scored 0 because the scorer raised on the reply "
+        "(rollout.max_error_steps=5 such steps in a row stop the run; counted in "
+        "rollout/scorer_raised), first: score_answer: KeyError: 'metadata'" in caplog.text
+    )
 
 
 def test_demonstrations_answer_with_the_gold_answer_which_scores_one():

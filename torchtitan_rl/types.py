@@ -148,6 +148,10 @@ class Rollout:
     reward: float = 0.0
     reward_breakdown: dict[str, float] = field(default_factory=dict)
     advantage: float = 0.0
+    scorer_error: str | None = None
+    """One line, when a rubric function raised `envs.base.WrongAnswer` (a hub dataset's scorer
+    on a malformed reply): it scored 0 there and the rollout trains, counted in
+    rollout/scorer_raised. E.g. "score_answer: ValueError: invalid literal for int() ..."."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -39,6 +39,10 @@ def _truncation_hint(status: RolloutStatus, env: EnvConfig, max_tokens: int) -> 
     )
 
 
+SCORER_RAISED = "scorer_raised"
+"""A reward function raised `WrongAnswer`: the rollout scored 0 and trains (not an error)."""
+
+
 class RunCannotLearn(RuntimeError):
     """Every rollout errored for rollout.max_error_steps steps in a row; the message is the
     one line shown."""
@@ -47,16 +51,20 @@ class RunCannotLearn(RuntimeError):
 
 
 class StepDiagnostics:
-    def __init__(self, run_dir: Path, env: EnvConfig, max_tokens: int, max_error_steps: int = 0):
+    def __init__(
+        self, run_dir: Path, env: EnvConfig, max_tokens: int, max_error_steps: int = 0,
+        *, max_staleness: int = 0,
+    ):  # fmt: skip
         """`max_error_steps`: raise RunCannotLearn after this many consecutive training steps
-        whose rollouts all errored (0: never)."""
+        whose rollouts all errored (0: never); `max_staleness`: rollout.max_staleness, named
+        when a step's groups were all too stale."""
         self.errors_log = run_dir / "errors.log"
         self.env = env
         self.max_tokens = max_tokens
         self.max_error_steps = max_error_steps
-        self._warned: set[RolloutStatus] = set()
-        self._idle_steps = 0
-        """Steps that had nothing to train on so far."""
+        self.max_staleness = max_staleness
+        self._warned: set[RolloutStatus | str] = set()
+        """Degenerate statuses and reasons already announced (each once per run)."""
         self._error_steps = 0
         """Consecutive training steps so far in which every rollout errored."""
 
@@ -73,6 +81,9 @@ class StepDiagnostics:
         errored = [r for r in rollouts if r.status.is_error()]
         if errored:
             self._log_tracebacks(step, errored)
+        raised = [r for r in rollouts if r.scorer_error is not None]
+        if training and raised:
+            self._report_scorer_raised(step, raised, len(rollouts))
         for status, rollout in first.items():
             share = counts[status] / len(rollouts)
             if status.is_error():
@@ -90,30 +101,73 @@ class StepDiagnostics:
                         _truncation_hint(status, self.env, self.max_tokens),
                     )  # fmt: skip
         if training:
-            self._count_error_steps(step, errored, len(rollouts))
+            self._count_error_steps(step, errored, raised, len(rollouts))
 
-    def _count_error_steps(self, step: int, errored: list[Rollout], total: int) -> None:
-        self._error_steps = self._error_steps + 1 if len(errored) == total else 0
+    def _report_scorer_raised(self, step: int, raised: list[Rollout], total: int) -> None:
+        """Rollouts scored 0 because their scorer raised `WrongAnswer`: said the first time,
+        and at every step where it hit every rollout (such steps count as error steps)."""
+        if len(raised) < total and SCORER_RAISED in self._warned:
+            return
+        self._warned.add(SCORER_RAISED)
+        if len(raised) < total:
+            what = f"{len(raised)} of {total} rollouts", "a wrong answer, trained on"
+        else:
+            n = self.max_error_steps
+            stops = f"rollout.max_error_steps={n} such steps in a row stop the run"
+            what = f"all {total} rollouts", stops if n else "nothing to learn from"
+        logger.warning(
+            "step %d: %s scored 0 because the scorer raised on the reply (%s; counted in "
+            "rollout/scorer_raised), first: %s", step, *what, raised[0].scorer_error,
+        )  # fmt: skip
+
+    def _count_error_steps(
+        self, step: int, errored: list[Rollout], raised: list[Rollout], total: int
+    ) -> None:
+        """A step counts when every rollout errored or its scorer raised: all scored 0 at
+        best, so nothing to learn from, and a scorer that always raises stops the run."""
+        self._error_steps = self._error_steps + 1 if len(errored) + len(raised) == total else 0
         n = self.max_error_steps
         if n and self._error_steps >= n:
-            kinds = ", ".join(sorted({r.status.value for r in errored}))
+            kinds = sorted(
+                {r.status.value for r in errored} | ({SCORER_RAISED} if raised else set())
+            )
+            first = errored[0].error if errored else raised[0].scorer_error
+            where = f"; tracebacks in {self.errors_log}" if errored else ""
             raise RunCannotLearn(
-                f"every rollout errored ({kinds}) in {n} steps in a row (RL steps {step - n + 1}"
-                f"-{step}): the run trains on nothing, so it stops (rollout.max_error_steps={n}); "
-                f"first error: {errored[0].error}; tracebacks in {self.errors_log}"
+                f"every rollout errored ({', '.join(kinds)}) in {n} steps in a row (RL steps "
+                f"{step - n + 1}-{step}): the run trains on nothing, so it stops "
+                f"(rollout.max_error_steps={n}); first error: {first}{where}"
             )
 
-    def report_nothing_to_train(self, step: int, groups: list[RolloutGroup]) -> None:
-        """A step without a single loss token: said at the first such step, then counted
-        (`trainer/*` tags are simply absent at those steps). Not for a step whose rollouts
-        (`groups`: all it sampled) all errored: its error line says why."""
+    def report_nothing_to_train(
+        self, step: int, groups: list[RolloutGroup], stale: list[RolloutGroup] = ()
+    ) -> None:
+        """A step without a single loss token: said at the first such step for each reason
+        (`trainer/*` tags are simply absent at those steps). `groups`: all it sampled, `stale`
+        included: the groups dropped for a token older than rollout.max_staleness allows. Not
+        for a step whose rollouts all errored: its error line says why.
+
+            step 4: nothing to train on (all 2 groups were too stale: rollout/dropped_stale
+                    = 8 rollouts with a token more than rollout.max_staleness=1 versions old;
+                    their prompts are generated again)
+        """
         if every_rollout_errored(groups):
             return
-        self._idle_steps += 1
-        if self._idle_steps == 1:
+        if stale:
+            reason = (
+                f"all {len(stale)} groups were too stale: "
+                f"rollout/dropped_stale = {sum(len(g.rollouts) for g in stale)} rollouts with "
+                f"a token more than rollout.max_staleness={self.max_staleness} versions old; "
+                "their prompts are generated again"
+            )
+        else:
+            reason = "no group had reward spread"
+        key = "stale" if stale else "spread"
+        if key not in self._warned:
+            self._warned.add(key)
             logger.warning(
-                "step %d: nothing to train on (no group had reward spread); later steps like "
-                "it are not announced", step,
+                "step %d: nothing to train on (%s); later steps like it are not announced",
+                step, reason,
             )  # fmt: skip
 
     def report_dropped(self, step: int, dropped: float, kept: float, seq_len: int) -> None:

@@ -22,6 +22,7 @@ from torchtitan_rl.config import Config
 from torchtitan_rl.config.job import ParallelismConfig
 from torchtitan_rl.controller.placement import Placement, plan
 from torchtitan_rl.controller.supervision import SupervisionError
+from torchtitan_rl.losses.corrections import BEHAVIOUR_WEIGHT_CAP, trainer_correction
 from torchtitan_rl.types import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -111,15 +112,25 @@ def spawn_trainer(
     mesh, config: Config, *, vocab_size: int, log_dir: str, gpus: tuple[int, ...] = ()
 ) -> TrainerActor:
     """The trainer actor on every process of `mesh`, with its own config sections; local
-    rank r on GPU `gpus[r]` (the placement; empty: its local rank's GPU)."""
+    rank r on GPU `gpus[r]` (the placement; empty: its local rank's GPU). Under
+    `weights_stale_tokens` the trainer gets the default staleness weight as its correction."""
     cfg = config
+    correction = trainer_correction(
+        cfg.loss, cfg.correction, max_staleness=cfg.rollout.max_staleness
+    )
+    if correction is not cfg.correction:  # the objective differs from a synchronous run's
+        logger.warning(
+            "rollout.max_staleness=%d with loss.old_logprobs='recompute': each token is "
+            "weighted by min(pi_old / mu, %g) (TIS at level %r); set [correction] to choose "
+            "another weight", cfg.rollout.max_staleness, BEHAVIOUR_WEIGHT_CAP, correction.level,
+        )  # fmt: skip
     return mesh.spawn(
         "trainer",
         TrainerActor,
         model=cfg.model,
         training=cfg.training,
         loss=cfg.loss,
-        correction=cfg.correction,
+        correction=correction,
         vocab_size=vocab_size,
         device=cfg.parallelism.device,
         seed=cfg.job.seed,

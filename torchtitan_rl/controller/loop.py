@@ -101,7 +101,11 @@ class Controller:
         """Where a process killed by a signal leaves its Python stacks (actors/fault_log.py)."""
         self.supervisor = Supervisor(("trainer", "generator", *replica_names), self.log_dir)
         self.diagnostics = StepDiagnostics(
-            self.run_dir, config.env, config.rollout.max_tokens, config.rollout.max_error_steps
+            self.run_dir,
+            config.env,
+            config.rollout.max_tokens,
+            config.rollout.max_error_steps,
+            max_staleness=config.rollout.max_staleness,
         )
         self.start_step = 0
         """The RL step the run continues after (0 for a fresh run, N after step_N)."""
@@ -336,7 +340,7 @@ class Controller:
         train_metrics = await self._train(batch.groups, step)
         if "trainer/policy_version" not in train_metrics:  # no optimizer step
             sampled = [*batch.groups, *batch.stale, *batch.filtered, *batch.surplus]
-            self.diagnostics.report_nothing_to_train(step, sampled)
+            self.diagnostics.report_nothing_to_train(step, sampled, batch.stale)
         self.trainer_version = int(train_metrics.get("trainer/policy_version", version))
         t_train = time.perf_counter()
         if self.lag and cfg.ahead == "pipelined":

@@ -188,6 +188,7 @@ def batch_metrics(batch: CollectedBatch) -> dict[str, float]:
         "rollout/num_sampling_rounds": float(rounds),
         "rollout/num_rollouts": float(len(rollouts)),
         "rollout/num_error_rollouts": float(len(rollouts) - len(valid)),
+        "rollout/scorer_raised": float(sum(r.scorer_error is not None for r in rollouts)),
     }
     for status in RolloutStatus:
         share = statuses.get(status, 0) / len(rollouts) if rollouts else 0.0

@@ -83,6 +83,21 @@ RewardFn = Callable[[Rollout], float]
 """Scores a finished rollout; may read `rollout.sample` and `rollout.turns[i].reward_signals`."""
 
 
+class WrongAnswer(Exception):
+    """Raised by a reward function whose scorer rejected the reply by raising (a
+    reasoning-gym scorer's ValueError on a reply that is not a number): the function scores 0
+    as for any wrong answer and the rollout trains on it, where any other exception makes it
+    ERROR_REWARD. Its message, `rollout.scorer_error`, is counted per step in
+    rollout/scorer_raised; a step in which every rollout errored or raised this still counts
+    toward rollout.max_error_steps, so a scorer that always raises stops the run.
+
+        try:
+            return float(dataset.score_answer(answer, entry))
+        except Exception as e:  # the dataset's way of saying "wrong"
+            raise WrongAnswer(f"{type(e).__name__}: {e}") from e
+    """
+
+
 RESERVED_NAMES = frozenset({"mean", "std", "zero_std_frac"})
 """Rubric names that would overwrite the reward metrics of the same name."""
 
@@ -92,7 +107,7 @@ class Rubric:
 
     A raising function propagates: the caller marks the rollout ERROR_REWARD rather than
     training on a made-up score. So does a value, or weighted sum, that is not finite or
-    beyond +-1e6 (`rollout.rollouter.REWARD_BOUND`).
+    beyond +-1e6 (`rollout.rollouter.REWARD_BOUND`). The one exception is `WrongAnswer`.
     """
 
     def __init__(self, funcs: Sequence[tuple[str, RewardFn, float]]):
@@ -112,9 +127,17 @@ class Rubric:
         self.funcs = tuple(funcs)
 
     def score(self, rollout: Rollout) -> tuple[float, dict[str, float]]:
-        """(weighted sum, {name: unweighted value})."""
-        breakdown = {name: float(fn(rollout)) for name, fn, _ in self.funcs}
+        """(weighted sum, {name: unweighted value}); a function that raised `WrongAnswer`
+        counts 0 and leaves its line in `rollout.scorer_error`."""
+        breakdown, raised = {}, None
+        for name, fn, _ in self.funcs:
+            try:
+                breakdown[name] = float(fn(rollout))
+            except WrongAnswer as e:
+                breakdown[name] = 0.0
+                raised = raised or f"{name}: {e}"
         total = sum(weight * breakdown[name] for name, _, weight in self.funcs)
+        rollout.scorer_error = raised
         return total, breakdown
 
 

@@ -7,7 +7,8 @@ line), plus one key of ours, `system_prompt`. A rollout is one turn:
     system:    <reasoning_gym.utils.SYSTEM_PROMPTS[system_prompt]>   (none when "")
     user:      Spell this word backward (example: sun -> nus): bird   (the dataset's question)
     assistant: <answer>drib</answer>
-               -> score_answer(extract_answer(reply), entry) = 1.0 (the dataset's own scorer)
+               -> score_answer(extract_answer(reply), entry) = 1.0 (the dataset's own scorer;
+                  one that raises on a malformed reply scores 0: `WrongAnswer`)
 
 The dataset is one instance: its `seed` (the job seed when unset) and `size`, the pool of
 item indices [0, size) samples are drawn from. Which split an item is on is decided by a hash
@@ -27,7 +28,14 @@ import random
 from functools import cache, lru_cache
 from typing import Any, ClassVar
 
-from torchtitan_rl.envs.base import EnvConfig, Environment, MessageEnv, Rubric, StepResult
+from torchtitan_rl.envs.base import (
+    EnvConfig,
+    Environment,
+    MessageEnv,
+    Rubric,
+    StepResult,
+    WrongAnswer,
+)
 from torchtitan_rl.envs.split import Split, split_sample
 from torchtitan_rl.types import Message, Rollout
 
@@ -168,14 +176,18 @@ class ReasoningGym(Environment):
 
     def score(self, rollout: Rollout) -> float:
         """The dataset's `score_answer` on the last <answer> block of the reply (None when
-        there is none, which its scorers score 0); a rollout with no turn scores 0."""
+        there is none, which its scorers score 0); a rollout with no turn scores 0. A scorer that
+        raises on the reply scores 0 too, as a wrong answer (`WrongAnswer`)."""
         from reasoning_gym.utils import extract_answer
 
         if not rollout.turns:
             return 0.0
         answer = extract_answer(rollout.turns[-1].assistant_text)
         entry = self._entry(rollout.sample["index"])
-        return float(self.dataset.score_answer(answer, entry))
+        try:
+            return float(self.dataset.score_answer(answer, entry))
+        except Exception as e:  # a malformed reply: prime_factorization's int() on "seven"
+            raise WrongAnswer(f"{type(e).__name__}: {e}") from e
 
     def rubric(self) -> Rubric:
         return Rubric([(SCORE, self.score, 1.0)])

@@ -1,7 +1,8 @@
 """Training-inference mismatch corrections: weights built from pi_old / mu, and OPSM.
 
-Three policies (DESIGN.md): pi_theta is being trained, pi_old is the trainer's policy when
-the batch was made, mu is the generator that sampled. The PPO ratio pi_theta / pi_old lives
+Three policies (docs/design.md): pi_theta is being trained, pi_old is the trainer's policy
+at the step's first update (with asynchronous steps newer than the sampler), mu is the
+generator that sampled. The PPO ratio pi_theta / pi_old lives
 in `policy_loss`; this module builds the mismatch weight from pi_old / mu, once. Per loss
 token t of sequence i, with log c_t = log pi_old(t) - log mu(t):
 
@@ -25,6 +26,14 @@ Where pi_old comes from (`loss.old_logprobs`):
   or mask with keep_weight) then switches the surrogate to REINFORCE with the detached
   truncated/masked ratio (verl's bypass mode, `policy_loss(bypass=True)`), so the ratio is
   applied once; pure rejection (mask, keep_weight = false) keeps the PPO surrogate.
+Stale tokens (`rollout.max_staleness >= 1` with "recompute"): pi_old is the trainer's
+policy at the update, not the one that generated a token 1..N versions ago, so the PPO ratio
+starts at 1 for a stale token as for a fresh one; the staleness lives in pi_old / mu only.
+Without a `[correction]` (level "none"), `trainer_correction` therefore weights every token
+by w_t = min(pi_old(t) / mu(t), BEHAVIOUR_WEIGHT_CAP), AReaL's decoupled PPO with TIS's cap
+(the same as `level = "token", action = "truncate", ratio_min = 0, ratio_max = 2`; geometric
+level for gspo). A `[correction]` with a level already builds its weight (or mask) from
+pi_old / mu and is used as it is: the weight is never applied twice.
 `check_objective` rejects the combinations that have no sound meaning: the ones above, and
 GSPO with a token-level weight (GSPO's ratio is one per sequence; with a sequence or
 geometric weight, constant over the sequence, its token form and TRL's sequence form give
@@ -36,7 +45,7 @@ Shape suffixes: N = loss tokens of this microbatch, S = sequences of the whole s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 import torch
@@ -98,6 +107,37 @@ class CorrectionConfig:
     def carries_weight(self) -> bool:
         """Whether the correction multiplies by an importance weight, not only drops tokens."""
         return self.level != "none" and (self.action == "truncate" or self.keep_weight)
+
+
+BEHAVIOUR_WEIGHT_CAP = 2.0
+"""Upper bound of the default staleness weight pi_old / mu (`trainer_correction`): TIS's
+C = 2 (Yao et al. 2025; verl's rollout_is_threshold default). A `[correction]` with a level
+replaces the default weight, its `ratio_max` the cap."""
+
+
+def weights_stale_tokens(
+    loss: LossConfig, correction: CorrectionConfig, max_staleness: int
+) -> bool:
+    """Whether the trainer adds the default staleness weight (module docstring): tokens may be
+    stale, pi_old is recomputed, and no `[correction]` level says how pi_old / mu enters."""
+    return max_staleness >= 1 and loss.old_logprobs == "recompute" and correction.level == "none"
+
+
+def trainer_correction(
+    loss: LossConfig, correction: CorrectionConfig, *, max_staleness: int
+) -> CorrectionConfig:
+    """The correction the trainer applies: `correction`, or under `weights_stale_tokens` the
+    truncated token-level weight min(pi_old / mu, BEHAVIOUR_WEIGHT_CAP) (geometric level for
+    gspo, whose ratio is one per sequence), keeping `correction.opsm_delta`.
+    Example: max_staleness = 2, no [correction], log pi_old - log mu = [0, 0.3, 1.0] ->
+    w = [1, 1.3499, 2] (fresh, 2-stale, 2-stale past the cap)."""
+    if not weights_stale_tokens(loss, correction, max_staleness):
+        return correction
+    level = "geometric" if loss.name == "gspo" else "token"
+    return replace(
+        correction, level=level, action="truncate", ratio_min=0.0,
+        ratio_max=BEHAVIOUR_WEIGHT_CAP, keep_weight=True,
+    )  # fmt: skip
 
 
 BYPASS_LOSSES = ("grpo", "dapo", "dr_grpo")

@@ -9,6 +9,8 @@ trainer side of the mismatch:
     generator: pi_theta (sg)   -> weights from pi_theta / mu; a weight-carrying correction
                                   turns the surrogate into REINFORCE (bypass), so the ratio
                                   pi_theta / mu is applied once either way
+`correction` is the trainer's (`corrections.trainer_correction`): under asynchronous steps
+with "recompute" and no [correction], the truncated token weight min(pi_old / mu, 2).
 The per-token gradient coefficients of every mode are in `policy_loss`'s docstring.
 """
 

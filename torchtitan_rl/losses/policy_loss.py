@@ -1,7 +1,8 @@
 """GRPO-family policy losses over the loss tokens of one microbatch, chosen by `loss.name`.
 
-Three policies (DESIGN.md): pi_theta is being trained, pi_old is the trainer's policy when
-the batch was made, mu is the generator that sampled. `old_logprobs_N` is pi_old: recomputed
+Three policies (docs/design.md): pi_theta is being trained, pi_old is the trainer's policy
+at the step's first update (with asynchronous steps newer than the sampler), mu is the
+generator that sampled. `old_logprobs_N` is pi_old: recomputed
 by the trainer (`loss.old_logprobs = "recompute"`) or mu itself ("generator"). Per token t
 of sequence i, with r_t = exp(cap(logp_t - old_logp_t)) and advantage A_t:
 
@@ -19,6 +20,10 @@ Per-token gradient coefficient of the policy term, g_t = d loss_t / d logp_t (be
 aggregation), 1[.] the not-clipped indicator of the min above:
     recompute, grpo family:   g_t = -w_t A_t r_t 1[.]   (= -w_t A_t at the first update,
                               where r_t = 1: the mismatch weight pi_old / mu, applied once)
+    recompute, asynchronous:  the same, with w_t = min(pi_old / mu, 2) when no [correction]
+                              is set (rollout.max_staleness >= 1: AReaL's decoupled PPO,
+                              `corrections.trainer_correction`); a token sampled k versions
+                              ago carries its staleness in pi_old / mu, not in r_t
     generator, no weight:     g_t = -m_t A_t r_t 1[.], r_t = pi_theta / mu, m_t in {0, 1}
                               (mask with keep_weight = false, OPSM)
     generator, bypass:        g_t = -w_t A_t, w_t the truncated/masked pi_theta / mu
@@ -96,7 +101,8 @@ class LossConfig:
     kl_coef > 0."""
     old_logprobs: OldLogprobs = "recompute"
     """pi_old of the PPO ratio: "recompute" (one no-grad trainer forward per step, before the
-    first update) | "generator" (the generator's log-probs mu; no extra forward)."""
+    first update; with rollout.max_staleness >= 1 and no [correction], each token is weighted
+    by min(pi_old / mu, 2)) | "generator" (the generator's log-probs mu; no extra forward)."""
 
     def validate(self) -> None:
         if self.name not in LOSSES:

@@ -3,7 +3,7 @@ under <run_dir>/rollouts/step_<N>.jsonl, for reading what the policy actually do
 
 One line (one rollout), abridged:
     {"step": 3, "group_id": 0, "pick": "best", "rollout_id": 5, "status": "completed",
-     "error": null, "reward": 0.81, "reward_breakdown": {"sort_score": 0.81},
+     "error": null, "scorer_error": null, "reward": 0.81, "reward_breakdown": {"sort_score": 0.81},
      "advantage": 0.32, "group_rewards": [0.81, 0.2, ...], "policy_version_min": 2,
      "policy_version_max": 2, "sample": {...},
      "messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}, ...],
@@ -53,6 +53,7 @@ def rollout_record(
         "session_id": rollout.session_id,
         "status": rollout.status.value,
         "error": rollout.error,
+        "scorer_error": rollout.scorer_error,
         "reward": rollout.reward,
         "reward_breakdown": rollout.reward_breakdown,
         "advantage": rollout.advantage,

@@ -112,7 +112,9 @@ class RolloutConfig:
     (>= 0). 0: synchronous steps (generate, then train, then sync). N >= 1: batches are
     generated while the trainer trains, up to N // training.minibatches steps ahead (a step
     moves the policy one version per minibatch); a group with an older token is dropped
-    (counted in rollout/dropped_stale) and its prompt generated again."""
+    (counted in rollout/dropped_stale) and its prompt generated again. With
+    loss.old_logprobs = "recompute" and no [correction], tokens are then weighted by
+    min(pi_old / mu, 2) (docs/design.md, the three policies)."""
     ahead: Literal["pipelined", "streaming"] = "pipelined"
     """How batches run ahead when max_staleness >= 1. "pipelined": batches one after
     another, new weights sent only between two batches, so each batch comes from one known
@@ -122,7 +124,8 @@ class RolloutConfig:
     max_error_steps: int = 5
     """Stop the run (exit code 1, one line) after this many consecutive RL steps in which
     every rollout errored (a reward function that always raises, an environment that always
-    fails): such a run trains on nothing. >= 0; 0 never stops."""
+    fails) or was scored 0 by a scorer that raised on it (`envs.base.WrongAnswer`): such a run
+    trains on nothing. >= 0; 0 never stops."""
     batch_timeout_s: float = 1800.0
     """Seconds a step waits for its batch before the run stops with one line saying what the
     generators were doing (> 0); a slow or stuck environment ends the run, never hangs it."""
