@@ -198,12 +198,11 @@ def start_folder(cfg, vocab_size: int, folder: Path) -> str:
     return str(folder)
 
 
-async def run_backend(cfg, args, scratch: Path) -> list[dict]:
+async def run_backend(cfg, placement, args, scratch: Path) -> list[dict]:
     """Spawn the backend's generator(s), run every rollout count, close everything."""
     from monarch.actor import this_host
 
     from torchtitan_rl.controller.launcher import ActorGenerateFn, spawn_generators, stop_meshes
-    from torchtitan_rl.controller.placement import plan
     from torchtitan_rl.controller.processes import kill_leftovers, on_this_machine
     from torchtitan_rl.envs import build_environment
     from torchtitan_rl.models.renderer import Renderer
@@ -215,7 +214,6 @@ async def run_backend(cfg, args, scratch: Path) -> list[dict]:
     renderer, replicas = Renderer(tokenizer), cfg.generator.num_replicas
     environment = build_environment(cfg.env, cfg.job.seed, cfg.env_args())
     hf_folder = start_folder(cfg, tokenizer.vocab_size, scratch / "hf")
-    placement = plan(cfg.parallelism, replicas, cfg.generator.backend)
     kind, host = "gpus" if placement.trainer else "procs", this_host()
     meshes = [host.spawn_procs(per_host={kind: 1}) for _ in range(replicas)]
     names = ["generator", *(f"generator{i}" for i in range(1, replicas))]
@@ -289,13 +287,17 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> None:
+    from torchtitan_rl.controller.placement import plan
+
     args = parse_args()
     configs = {}
     for backend in args.backends:
         try:
-            configs[backend] = cfg = load(args, backend)
-        except ValueError as e:  # ConfigError: one line naming the key
+            cfg = load(args, backend)
+            placement = plan(cfg.parallelism, cfg.generator.num_replicas, backend)
+        except ValueError as e:  # ConfigError or no room: one line naming the key
             fail(str(e).splitlines()[0])
+        configs[backend] = (cfg, placement)
         group = cfg.rollout.group_size
         if any(n < 1 or n % group for n in args.rollouts):
             fail(f"--rollouts {args.rollouts}: each a multiple of rollout.group_size={group}")
@@ -304,9 +306,9 @@ def main() -> None:
           "init with job.seed, or model.hf_checkpoint if set); every group kept; a turn cut "
           f"at max_tokens {cut}", flush=True)  # fmt: skip
     rows = []
-    for backend, cfg in configs.items():
+    for backend, (cfg, placement) in configs.items():
         with tempfile.TemporaryDirectory(prefix=f"bench_rollout_{backend}_") as scratch:
-            rows += asyncio.run(run_backend(cfg, args, Path(scratch)))
+            rows += asyncio.run(run_backend(cfg, placement, args, Path(scratch)))
     print_table(rows)
     if any(r["errors"] for r in rows):
         print("warning: some rollouts errored (column `errors` in the JSON)")
