@@ -60,8 +60,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", type=int, default=8, help="batches per rollout count")
     p.add_argument("--skip", type=int, default=3, help="first batches left out of the means")
     p.add_argument("--cut-ends-rollout", action="store_true",
-                   help="the loop's rule: a turn cut at max_tokens ends its rollout (with "
-                   "random weights: one turn each); default: it goes on to every env turn")  # fmt: skip
+                   help="the loop's rule: a turn cut at max_tokens ends its rollout (random "
+                   "weights: one turn each); default: it goes on to every env turn")  # fmt: skip
     p.add_argument("--label", default="", help="a name for this run, kept in the JSON")
     p.add_argument("--out", default="", help="folder of the JSON ($OUT, else .)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU job, native, 8 x 2 batches")
@@ -103,8 +103,8 @@ class TimedGenerateFn:
 
 
 class GpuBusy:
-    """`nvidia-smi` sampling one GPU's utilization every 100 ms in the background; `stop`
-    returns the mean busy fraction (None without a GPU)."""
+    """`nvidia-smi` sampling one GPU's utilization (the first replica's) every 100 ms in the
+    background; `stop` returns the mean busy fraction (None without a GPU)."""
 
     def __init__(self, gpu: int | None):
         self.proc = None
@@ -163,8 +163,14 @@ async def run_batch(rollouter, generate_fn, timers, generators, step: int, first
     }
 
 
+PER_BATCH = ("seconds", "tokens", "turns_per_rollout", "engine_steps", "floor_steps")
+"""What the JSON keeps of each timed batch."""
+
+
 def summarize(batches: list[dict], gpu_busy: float | None) -> dict:
-    def pct(key: str, q: float) -> float:
+    """One row: means over the timed batches, percentiles over all their turns."""
+
+    def pct(key: str, q: float) -> float | None:
         values = np.concatenate([b[key] for b in batches]).astype(float)
         return float(np.nanpercentile(values, q)) if np.isfinite(values).any() else None
 
@@ -175,10 +181,10 @@ def summarize(batches: list[dict], gpu_busy: float | None) -> dict:
         "tokens_per_s": sum(b["tokens"] for b in batches) / sum(seconds),
         "engine_steps": None if None in steps else float(np.mean(steps)),
         "floor_steps": float(np.mean([b["floor_steps"] for b in batches])),
-        **{f"{k}_p{q}_ms": pct(f"{k}_ms", q) for k in ("ttft", "queue", "overhead") for q in (50, 99)},
+        **{f"{k}_p{q}_ms": pct(f"{k}_ms", q)
+           for k in ("ttft", "queue", "overhead") for q in (50, 99)},
         "gpu_busy": gpu_busy, "errors": sum(b["errors"] for b in batches),
-        "batches": [{k: b[k] for k in ("seconds", "tokens", "turns_per_rollout", "engine_steps", "floor_steps")}
-                    for b in batches],
+        "batches": [{k: b[k] for k in PER_BATCH} for b in batches],
     }  # fmt: skip
 
 
