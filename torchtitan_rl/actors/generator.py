@@ -147,11 +147,6 @@ class GeneratorActor(Actor):
         return self.engine.policy_version
 
     @concurrent_endpoint
-    async def engine_stats(self) -> dict:
-        """The engine's counters, e.g. {"steps": engine steps since start}; {} if it keeps none."""
-        return getattr(self.engine, "stats", lambda: {})()
-
-    @concurrent_endpoint
     async def where(self) -> dict:
         """This process's host, process and GPU (index, UUID, peak memory)."""
         return {"role": self.actor_name, "rank": 0, **describe_device(self.device)}
