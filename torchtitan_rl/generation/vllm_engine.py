@@ -172,9 +172,11 @@ def start_vllm_engine(
         sampling_class=VllmSampling,
         features=features,
         cleanup=cleanup_dist_env_and_memory,
-        # vLLM's CPU attention fails from any thread but the one that started it (its
-        # scheduler metadata and its kernel disagree on the OpenMP thread count)
-        threaded=device.type == "cuda",
+        # The inline driver, measured: on one H200 the threaded one made the loop's request
+        # pattern slower with vLLM (2.18 vs 1.59 s a batch of 64 rollouts, 5.26 vs 4.32 at
+        # 256; docs/benchmarks.md), and on CPU vLLM's attention fails from any thread but
+        # the one that started it (its metadata and kernel disagree on the OpenMP threads).
+        threaded=False,
     )
 
 
