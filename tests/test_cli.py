@@ -1,9 +1,12 @@
 """The command line on a run folder that already finished (help and --print-config: see
 tests/test_cli_help.py)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,3 +60,29 @@ def test_run_train_sh_reads_paths_and_modules_from_the_folder_it_is_called_in(
     assert run.returncode == 0, run.stderr
     assert f"already complete: outputs/arith holds the checkpoint of RL step {last}" in run.stdout
     assert not (ROOT / "outputs" / "arith").exists()
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("--generator.num_replicas=1000", "generator.num_replicas=1000: each generator replica "
+         f"is a CPU process of its own, and this machine gives the run {len(os.sched_getaffinity(0))} "
+         "CPU core(s)"),
+        ("--parallelism.trainer_procs=1000", "parallelism.trainer_procs=1000: each trainer rank"),
+        ("--job.output_dir=/etc/hostname", "job.output_dir='/etc/hostname' is a file; use a folder"),
+        ("--job.output_dir=/etc/hostname/runs", "job.output_dir='/etc/hostname/runs' is under a "
+         "file (/etc/hostname)"),
+        ("--launcher.kind=slurm", "launcher.kind = \"slurm\" submits the job with Slurm's sbatch, "
+         "which is not on PATH here"),
+    ],
+)  # fmt: skip
+def test_what_this_machine_lacks_stops_before_anything_is_written(tmp_path, override, needle):
+    """Values wrong only for this machine (cores, a file where the folder goes, no sbatch on
+    PATH=/usr/bin:/bin) exit 2 with one line saying what it has; no run folder appears."""
+    rc, out, err = _run(
+        f"--job.output_dir={tmp_path / 'runs'}", override, "--parallelism.device=cpu", cwd=tmp_path
+    )
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: ") and needle in lines[0]
+    assert list(tmp_path.iterdir()) == []  # no run folder (nor outputs/ in the working folder)

@@ -52,6 +52,16 @@ TINY = Path(__file__).resolve().parents[1] / "train_configs" / "alphabet_sort_ti
         ("--generator.num_blocks=-1", "generator.num_blocks must be 0 or >="),
         ("--env.step_timeout_s=nan", "env.step_timeout_s must be a finite number > 0"),
         ("--env.args.reward_power=inf", "env.args.reward_power must be finite and > 0, got inf"),
+        (
+            "--training.steps=99999999999999999999999",
+            "training.steps must fit in 64 bits (|value| < 2**63), got 99999999999999999999999",
+        ),
+        ("--job.seed=-9223372036854775809", "job.seed must fit in 64 bits"),
+        (
+            "--training.minibatches=1000",  # the tiny job: 16 groups (prompts) per step
+            "training.minibatches=1000 exceeds rollout.prompts_per_step=16: a minibatch holds "
+            "whole groups (one per prompt); use training.minibatches <= 16",
+        ),
     ],
 )
 def test_out_of_range_numbers_name_key_value_and_range(override, fragment):
@@ -66,6 +76,9 @@ def test_out_of_range_numbers_name_key_value_and_range(override, fragment):
         ("--correction.ratio_max=inf", float("inf")),  # its docstring: inf leaves it open
         ("--training.max_grad_norm=0", 0.0),  # 0 disables clipping
         ("--training.warmup_steps=0", 0),
+        ("--training.steps=9223372036854775807", 2**63 - 1),  # the largest TOML integer
+        ("--training.minibatches=16", 16),  # one group per minibatch
+        ("--generator.block_size=0", 0),  # the backend's default (the tiny job's own value)
     ],
 )
 def test_documented_edge_values_are_accepted(override, value):

@@ -151,6 +151,23 @@ def test_resume_lists_what_changed_and_refuses_another_model(tmp_path):
     assert not (tmp_path / config.job.run_name / "config.toml").exists()  # nothing rewritten
 
 
+@pytest.mark.usefixtures("package_logger_restored")
+def test_another_environment_does_not_resume_this_ones_run(tmp_path, monkeypatch, capsys):
+    """`--env.name=countdown` where the default job ran would train Countdown on the
+    AlphabetSort policy, warm start skipped, in the same curves: refused in one line."""
+    from torchtitan_rl.train import main
+
+    _run_with_checkpoint(tmp_path, 3)
+    run_dir = tmp_path / load_config(TINY, []).job.run_name
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    monkeypatch.setenv("CONFIG_FILE", str(TINY))
+    assert main([f"--job.output_dir={tmp_path}", "--env.name=countdown"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "changed env.name: 'alphabet_sort' -> 'countdown'" in err[0], err
+    assert "use a new job.run_name" in err[0]
+    assert sorted(p.name for p in run_dir.rglob("*")) == before  # nothing written
+
+
 def test_a_finished_run_is_complete_before_anything_starts(tmp_path):
     _run_with_checkpoint(tmp_path, 800)
     controller = Controller(load_config(TINY, [f"--job.output_dir={tmp_path}"]), use_tqdm=False)

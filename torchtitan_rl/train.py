@@ -97,17 +97,9 @@ def _train(config, debug: bool) -> int:
     except Exception as e:
         return _fail(e, debug, 1, prefix="importing torchtitan_rl failed: ")
     try:
-        if config.launcher.kind in ("local", "process"):  # else the GPUs are on other hosts
-            from torchtitan_rl.controller.placement import plan
+        from torchtitan_rl.controller.preflight import check_machine
 
-            placement = plan(
-                config.parallelism, config.generator.num_replicas, config.generator.backend
-            )
-            if placement.gpus and config.launcher.kind == "process":
-                raise ValueError(
-                    'launcher.kind = "process" simulates hosts on one machine, where every '
-                    'host would take GPU 0; valid with it: parallelism.device = "cpu"'
-                )
+        check_machine(config)  # GPUs, cores, sbatch, the output folder
         controller = Controller(config)
         done = controller.completed_step()
         if done >= controller.last_step():

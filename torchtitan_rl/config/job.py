@@ -49,16 +49,16 @@ class ParallelismConfig:
     No effect on CPU."""
     cpu_threads_per_proc: int = 0
     """torch threads in each trainer/generator process on CPU; 0 = the cores this process may
-    run on (its CPU affinity: taskset, cgroups) split over the processes that run at once.
-    Synchronous steps (rollout.max_staleness = 0): within each role, since the trainers wait
-    while the generators run and the other way round (trainers: cores / trainer_procs;
-    generators: cores / generator replicas). Steps that overlap (max_staleness >= 1): over
-    every trainer and generator process. Oversubscribed cores made tiny-model steps ~10x
-    slower on a 2-core machine."""
+    run on (its CPU affinity: taskset, cgroups) split over every trainer and generator process
+    of the run, at least 1 (2 cores, the default 3 processes: 1 thread each). The threads of
+    all processes never outnumber the cores, also while the roles take turns: a torch process
+    with a thread per core slows ~10x as soon as other work takes one of those cores (its
+    threads wait for each other at every op), e.g. 45-65 vs 3.4 s/step for the default job on
+    a busy 2-core machine."""
 
     def threads(self, procs: int) -> int:
-        """torch threads per process when `procs` processes compute at once on CPU: the set
-        value, or the usable cores split over them."""
+        """torch threads per process when the run has `procs` trainer and generator
+        processes on CPU: the set value, or the usable cores split over them."""
         import os
 
         if self.cpu_threads_per_proc:

@@ -83,6 +83,12 @@ class Config:
                 "no RL step would train anything; use rollout.group_size >= 2"
             )
         minibatches, staleness = self.training.minibatches, self.rollout.max_staleness
+        if minibatches > self.rollout.prompts_per_step:
+            raise ConfigError(
+                f"training.minibatches={minibatches} exceeds rollout.prompts_per_step="
+                f"{self.rollout.prompts_per_step}: a minibatch holds whole groups (one per "
+                f"prompt); use training.minibatches <= {self.rollout.prompts_per_step}"
+            )
         if 0 < staleness < minibatches:
             raise ConfigError(
                 f"rollout.max_staleness={staleness} with training.minibatches={minibatches}: "
@@ -195,6 +201,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         ok = isinstance(value, bool)
     elif hint is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
+        if ok and not -(2**63) <= value < 2**63:  # TOML's integers are 64-bit; tomli reads more
+            raise ConfigError(f"{key} must fit in 64 bits (|value| < 2**63), got {value}")
     elif hint is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         value = float(value) if ok else value

@@ -134,7 +134,7 @@ def spawn_trainer(
         vocab_size=vocab_size,
         device=cfg.parallelism.device,
         seed=cfg.job.seed,
-        cpu_threads=cfg.parallelism.threads(_at_once(cfg, cfg.parallelism.trainer_procs)),
+        cpu_threads=_threads(cfg),
         tp=cfg.parallelism.tp,
         log_dir=log_dir,
         gpus=tuple(gpus),
@@ -157,7 +157,7 @@ def spawn_generators(
             engine=cfg.generator,
             vocab_size=vocab_size,
             device=cfg.parallelism.device,
-            cpu_threads=cfg.parallelism.threads(_at_once(cfg, len(meshes))),
+            cpu_threads=_threads(cfg),
             actor_name=name,
             log_dir=log_dir,
             hf_folder=hf_folder,
@@ -167,12 +167,12 @@ def spawn_generators(
     ]
 
 
-def _at_once(config: Config, role_procs: int) -> int:
-    """Processes computing at the same time as one of a role's `role_procs`: its own role in
-    synchronous steps; every trainer and generator process when steps overlap."""
-    if config.rollout.max_staleness == 0:
-        return role_procs
-    return config.parallelism.trainer_procs + config.generator.num_replicas
+def _threads(config: Config) -> int:
+    """torch threads per trainer and generator process on CPU (`ParallelismConfig.threads`):
+    the cores split over every process of the run."""
+    return config.parallelism.threads(
+        config.parallelism.trainer_procs + config.generator.num_replicas
+    )
 
 
 async def stop_meshes(meshes: list) -> None:

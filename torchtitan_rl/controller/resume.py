@@ -24,8 +24,13 @@ EARLIER_RUN = ("tb", "rollouts", "errors.log")
 """What a run that left no checkpoint leaves in its folder that would mix with a fresh run's:
 TensorBoard events (TensorBoard would draw both runs as one curve), rollout records and
 errors.log (both keyed by step)."""
-RESUME_FROZEN = ("model.",)
-"""Config keys a resume cannot change: the checkpoint's weights have that model's shape."""
+RESUME_FROZEN = {
+    "model.": "the checkpoint holds another model",
+    "env.name": "the checkpoint's policy, prompt position and curves belong to another task",
+}
+"""Config keys (or key prefixes) a resume cannot change, each with why: the weights have that
+model's shape; a policy trained on one environment would go on to train on another in the
+same run and TensorBoard curves, its warm start skipped."""
 
 
 def config_changes(saved: dict, config: Config) -> list[str]:
@@ -59,12 +64,14 @@ def check_resume(store: CheckpointStore, config: Config) -> list[str]:
             )
         return []
     changes = config_changes(tomli.loads((latest / "config.toml").read_text()), config)
-    frozen = [c for c in changes if c.split(":")[0].startswith(RESUME_FROZEN)]
-    if frozen:
-        raise ValueError(
-            f"cannot resume {latest} with a changed {frozen[0]}: the checkpoint holds "
-            f"another model; use a new job.run_name"
-        )
+    for change in changes:
+        key = change.split(":")[0]
+        why = next((why for k, why in RESUME_FROZEN.items() if key.startswith(k)), None)
+        if why is not None:
+            raise ValueError(
+                f"cannot resume {latest} with a changed {change}: {why}; use a new "
+                f"job.run_name (or move {latest.parent.parent} away to start over)"
+            )
     return changes
 
 

@@ -26,7 +26,8 @@ class TrainingConfig:
     decay after the warmup (over steps x minibatches optimizer steps); 1 keeps it constant."""
     minibatches: int = 1
     """Optimizer steps per RL step: the step's groups are split into this many minibatches
-    of whole groups; weights go to the generator once, after the last."""
+    of whole groups (so at most rollout.prompts_per_step); weights go to the generator once,
+    after the last."""
     weight_decay: float = 0.0
     """AdamW weight decay, finite and >= 0."""
     max_grad_norm: float = 1.0
