@@ -68,6 +68,26 @@ def test_the_folders_import_each_other_without_cycles():
     _check_no_cycles(folders, "folder")
 
 
+def test_the_design_docs_map_names_every_module():
+    """docs/design.md's layout lists each module on a line of its own, under its folder."""
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
+    layout = text.split("```\ntorchtitan_rl/\n", 1)[1].split("```", 1)[0]
+    listed, folder = set(), ""
+    for line in layout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if line.startswith("  ") and not line.startswith("    "):
+            folder = name if name.endswith("/") else ""
+            listed.add(name)
+        elif line.startswith("    ") and folder and name:
+            listed.add(folder + name)
+    modules = {
+        str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"
+    }
+    in_examples = {m for m in modules if "/examples/" in m}
+    assert sorted(modules - in_examples - listed) == []
+    assert sorted(m for m in listed if m.endswith(".py") and m not in modules) == []
+
+
 def test_no_module_outside_envs_imports_an_environment():
     """The core reaches environments only through `envs` (its registry and base classes)."""
     seam = {"torchtitan_rl.envs", "torchtitan_rl.envs.base"}

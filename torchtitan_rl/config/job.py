@@ -53,8 +53,8 @@ class ParallelismConfig:
     Synchronous steps (rollout.max_staleness = 0): within each role, since the trainers wait
     while the generators run and the other way round (trainers: cores / trainer_procs;
     generators: cores / generator replicas). Steps that overlap (max_staleness >= 1): over
-    every trainer and generator process. Oversubscribed cores made tiny-model steps ~10x
-    slower on a 2-core machine."""
+    every trainer and generator process. Oversubscribed cores slow tiny-model steps several
+    times over (docs/benchmarks.md, "Cores, processes")."""
 
     def threads(self, procs: int) -> int:
         """torch threads per process when `procs` processes compute at once on CPU: the set
