@@ -50,8 +50,8 @@ def test_the_readme_environment_loads_by_import_path_with_its_args(tmp_path, ari
 def test_the_readme_environment_validates_on_unseen_questions_of_the_trained_range(
     tmp_path, arith_module
 ):
-    """Held-out questions come from the range training samples (so a model that learns the
-    task scores on them), and training never asks one of them."""
+    """Held-out questions come from the range training samples, with answers training
+    writes (so a model that learns the task scores on them); training never asks one."""
     from torchtitan_rl.envs import build_environment
 
     config = _config(tmp_path)
