@@ -308,21 +308,42 @@ def run_interpreted(test_module: str, fn: str = "check_interpreted", timeout: fl
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-async def run_until_a_kill_ends_it(controller, kill) -> tuple[str, float]:
+async def run_until_a_kill_ends_it(controller, kill, kill_within_s=600.0) -> tuple[str, float]:
     """Run `controller` while the coroutine `kill()` kills a process (it returns the
     perf_counter time of the kill); the run must end with ActorFailure. Returns (its one
-    line, seconds from the kill to it); the controller is closed either way."""
+    line, seconds from the kill to it); the controller is closed either way. What does not
+    arrive fails the test with one line: the kill (within `kill_within_s`: the run's own
+    steps are bounded, a loaded machine only slows them), or the failure after it (within
+    the longest the supervision may wait for Monarch's reports, derived from its settings)."""
     import time
 
     import pytest
 
+    from torchtitan_rl.controller import supervision
     from torchtitan_rl.controller.supervision import ActorFailure
 
-    killer = asyncio.ensure_future(kill())
+    killer, run = asyncio.ensure_future(kill()), asyncio.ensure_future(controller.run())
     try:
+        await asyncio.wait({killer, run}, timeout=kill_within_s, return_when="FIRST_COMPLETED")
+        if not killer.done():
+            ended = "ended" if run.done() else f"was {controller.supervisor.where}"
+            pytest.fail(f"the kill did not happen within {kill_within_s:g} s: the run {ended}")
+        sync = controller.weight_sync
+        failure_within_s = (
+            controller.config.launcher.host_timeout_s + 10.0  # Monarch notices the death
+            + supervision.PEER_REPORT_WAIT_S + supervision.NAMED_REPORT_WAIT_S
+            + supervision.FAILURE_GRACE_S + (sync.peer_failure_wait_s if sync else 0.0)
+        )  # fmt: skip
+        await asyncio.wait({run}, timeout=failure_within_s)
+        if not run.done():
+            pytest.fail(
+                f"no failure within {failure_within_s:.0f} s of the kill: the run was "
+                f"{controller.supervisor.where}"
+            )
         with pytest.raises(ActorFailure) as failure:
-            await asyncio.wait_for(controller.run(), timeout=300)
+            await run
         return str(failure.value), time.perf_counter() - await killer
     finally:
         killer.cancel()
+        run.cancel()
         await controller.close()

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from driver import drive
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from torchtitan_rl.config import load_config
@@ -153,16 +154,7 @@ def test_bf16_generator_mismatch_is_measured_and_corrected(tmp_path):
         "--validation.interval=0",
     )
 
-    async def run():
-        controller = Controller(config, use_tqdm=False)
-        try:
-            await controller.start()
-            await controller.warm_start()
-            return [await controller.rl_step(step) for step in (1, 2, 3)]
-        finally:
-            await controller.close()
-
-    steps = asyncio.run(run())
+    steps = drive(config, steps=3).steps
     assert all(m["trainer/logprob_diff/max"] > 0 for m in steps)
     assert steps[0]["loss/kl"] == 0 and steps[1]["loss/kl"] > 0 and steps[2]["loss/kl"] > 0
     assert [m["trainer/policy_version"] for m in steps] == [3, 4, 5]

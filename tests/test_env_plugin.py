@@ -1,15 +1,14 @@
 """An environment outside the package, exactly as the README writes it, plugged in by import
 path: config errors name it, and it trains two RL steps through Monarch."""
 
-import asyncio
 import re
 import sys
 from pathlib import Path
 
 import pytest
+from driver import drive
 
 from torchtitan_rl.config import ConfigError, load_config, to_toml
-from torchtitan_rl.controller.loop import Controller
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,6 +45,23 @@ def test_the_readme_environment_loads_by_import_path_with_its_args(tmp_path, ari
     args = config.env_args()
     assert type(args).__name__ == "ArithConfig" and args.max_operand == 20
     assert "[env.args]\nmax_operand = 20" in to_toml(config)
+
+
+def test_the_readme_environment_validates_on_unseen_questions_of_the_trained_range(
+    tmp_path, arith_module
+):
+    """Held-out questions come from the range training samples, with answers training
+    writes (so a model that learns the task scores on them); training never asks one."""
+    from torchtitan_rl.envs import build_environment
+
+    config = _config(tmp_path)
+    env = build_environment(config.env, config.job.seed, config.env_args())
+    trained = {(s["a"], s["b"]) for s in map(env.train_sample, range(-2000, 2000))}
+    held_out = {(s["a"], s["b"]) for s in env.validation_samples(config.validation.num_samples)}
+    assert len(held_out) >= 20 and not held_out & trained
+    assert {a for a, _ in held_out} <= {a for a, _ in trained}
+    assert {b for _, b in held_out} <= {b for _, b in trained}
+    assert {a + b for a, b in held_out} <= {a + b for a, b in trained}
 
 
 @pytest.mark.parametrize(
@@ -95,18 +111,8 @@ def test_the_readme_environment_trains_two_rl_steps_through_monarch(tmp_path, ar
         "--checkpoint.interval=0",
     )
 
-    async def run():
-        controller = Controller(config, use_tqdm=False)
-        try:
-            await controller.start()
-            await controller.warm_start()
-            steps = [await controller.rl_step(step) for step in (1, 2)]
-            await controller.validate(2)
-            return steps, controller.last_validation
-        finally:
-            await controller.close()
-
-    steps, validation = asyncio.run(run())
+    run = drive(config, steps=2, validate=True)
+    steps, validation = run.steps, run.validation
     assert [m["trainer/policy_version"] for m in steps] == [3, 4]
     # every rollout played and scored (a barely trained model rarely stops within 8 tokens,
     # so most are truncated; none errored)

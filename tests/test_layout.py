@@ -31,15 +31,14 @@ def _imports() -> dict[str, set[str]]:
     return graph
 
 
-def test_the_import_graph_has_no_cycles():
-    graph = _imports()
+def _check_no_cycles(graph: dict[str, set[str]], what: str) -> None:
     state: dict[str, int] = {}
 
     def visit(node, stack):
         state[node] = 1
-        for dep in graph[node]:
+        for dep in graph.get(node, ()):
             if state.get(dep) == 1:
-                raise AssertionError("import cycle: " + " -> ".join([*stack, node, dep]))
+                raise AssertionError(f"{what} cycle: " + " -> ".join([*stack, node, dep]))
             if dep not in state:
                 visit(dep, [*stack, node])
         state[node] = 2
@@ -47,6 +46,46 @@ def test_the_import_graph_has_no_cycles():
     for node in graph:
         if node not in state:
             visit(node, [])
+
+
+def test_the_import_graph_has_no_cycles():
+    _check_no_cycles(_imports(), "import")
+
+
+def _folder(module: str) -> str:
+    """The package folder a module lives in (`torchtitan_rl.losses.policy_loss` -> `losses`);
+    a module at the package root is its own node (`torchtitan_rl.checks` -> `checks`)."""
+    return module.split(".")[1] if module != "torchtitan_rl" else ""
+
+
+def test_the_folders_import_each_other_without_cycles():
+    """Folders form layers: a helper two folders need lives below both (the package root),
+    so no folder imports one that imports it back (`losses` -> `models` -> `losses`)."""
+    folders: dict[str, set[str]] = {}
+    for module, deps in _imports().items():
+        out = folders.setdefault(_folder(module), set())
+        out |= {_folder(d) for d in deps} - {_folder(module)}
+    _check_no_cycles(folders, "folder")
+
+
+def test_the_design_docs_map_names_every_module():
+    """docs/design.md's layout lists each module on a line of its own, under its folder."""
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
+    layout = text.split("```\ntorchtitan_rl/\n", 1)[1].split("```", 1)[0]
+    listed, folder = set(), ""
+    for line in layout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if line.startswith("  ") and not line.startswith("    "):
+            folder = name if name.endswith("/") else ""
+            listed.add(name)
+        elif line.startswith("    ") and folder and name:
+            listed.add(folder + name)
+    modules = {
+        str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"
+    }
+    in_examples = {m for m in modules if "/examples/" in m}
+    assert sorted(modules - in_examples - listed) == []
+    assert sorted(m for m in listed if m.endswith(".py") and m not in modules) == []
 
 
 def test_no_module_outside_envs_imports_an_environment():

@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("reasoning_gym")
 
+from driver import drive  # noqa: E402
 from fakes import FakeRenderer, ScriptedGenerate  # noqa: E402
 
 from torchtitan_rl.config import ConfigError, load_config, to_toml  # noqa: E402
@@ -289,8 +290,6 @@ def test_each_reasoning_gym_config_loads_and_its_demonstrations_fit(name):
 
 @pytest.mark.slow
 def test_spell_backward_trains_two_rl_steps_through_monarch(tmp_path):
-    from torchtitan_rl.controller.loop import Controller
-
     config = load_config(
         CONFIG,
         [
@@ -307,18 +306,8 @@ def test_spell_backward_trains_two_rl_steps_through_monarch(tmp_path):
         ],
     )
 
-    async def run():
-        controller = Controller(config, use_tqdm=False)
-        try:
-            await controller.start()
-            await controller.warm_start()
-            steps = [await controller.rl_step(step) for step in (1, 2)]
-            await controller.validate(2)
-            return steps, controller.last_validation
-        finally:
-            await controller.close()
-
-    steps, validation = asyncio.run(run())
+    run = drive(config, steps=2, validate=True)
+    steps, validation = run.steps, run.validation
     assert [m["trainer/policy_version"] for m in steps] == [3, 4]
     assert all(
         m["rollout/num_rollouts"] == 8 and m["rollout/num_error_rollouts"] == 0 for m in steps

@@ -235,3 +235,38 @@ def test_sigterm_is_a_stop_that_closes_every_process_and_resumes(tmp_path):
     assert again.returncode == 0, again.stderr
     assert f"resuming {tmp_path / 'run'} after RL step {step}" in again.stderr
     assert "took over" not in again.stderr  # the stopped run released its lock
+
+
+SLOW_MESH_SHUTDOWN = """
+import runpy, sys
+from monarch._src.actor import actor_mesh
+
+real_shutdown = actor_mesh.shutdown_context
+
+def shutdown_that_times_out(host_timeout=None):  # a loaded machine: it takes past its second
+    real_shutdown(host_timeout=host_timeout)
+    raise TimeoutError("the client mesh did not shut down in time")
+
+actor_mesh.shutdown_context = shutdown_that_times_out
+sys.argv[0] = "torchtitan_rl.train"
+runpy.run_module("torchtitan_rl.train", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_exits_143_with_one_line_when_the_mesh_shuts_down_slowly(tmp_path):
+    """Monarch's exit hook shuts the client mesh down once more after the run closed; when
+    that times out, the exit code and the last line are still the run's own."""
+    command = [sys.executable, "-c", SLOW_MESH_SHUTDOWN, *_command(tmp_path)[3:]]
+    command.append("--training.steps=40")
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _wait_for(tmp_path / "run" / "checkpoints" / "step_2" / "COMPLETE", proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "TimeoutError" not in err, err
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert last.startswith("terminated (SIGTERM): the same command resumes after RL step "), err

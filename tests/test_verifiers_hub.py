@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("verifiers.v1")
 
+from driver import drive  # noqa: E402
 from fakes import IM_END, FakeRenderer, ScriptedGenerate, encode, make_completion  # noqa: E402
 
 from torchtitan_rl.config import ConfigError, load_config, to_toml  # noqa: E402
@@ -57,6 +58,17 @@ def _play(env, sample, respond, group_size=2):
     rollouter = Rollouter(env, FakeRenderer(), env.config, rollout, seed=0)
     group = asyncio.run(rollouter.run_group_rollouts(sample, generate, group_id=0, step=1))
     return group, generated, generate
+
+
+def test_the_shipped_example_taskset_scores_the_word_and_nothing_else(monkeypatch):
+    """examples/vf_repeat.py, as the README runs it (examples/ on the path)."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    env = _env("verifiers:vf-repeat")
+    sample = env.train_sample(0)
+    word = env.tasks[sample["index"]].data.answer
+    group, _, _ = _play(env, sample, lambda call, r, t: f" {word} " if r == 0 else word + "!")
+    assert [r.reward for r in group.rollouts] == [1.0, 0.0]
+    assert all(r.status == RolloutStatus.COMPLETED for r in group.rollouts)
 
 
 def test_a_single_turn_episode_trains_on_the_generated_tokens_and_its_rubrics_reward():
@@ -270,8 +282,6 @@ def test_verifiers_not_installed_is_one_line(monkeypatch):
 
 @pytest.mark.slow
 def test_a_multi_turn_verifiers_env_trains_two_rl_steps_through_monarch(tmp_path):
-    from torchtitan_rl.controller.loop import Controller
-
     config = _config(
         GUESS,
         f"--job.output_dir={tmp_path}",
@@ -290,17 +300,8 @@ def test_a_multi_turn_verifiers_env_trains_two_rl_steps_through_monarch(tmp_path
         path=ROOT / "train_configs" / "alphabet_sort_tiny.toml",
     )
 
-    async def run():
-        controller = Controller(config, use_tqdm=False)
-        try:
-            await controller.start()
-            steps = [await controller.rl_step(step) for step in (1, 2)]
-            await controller.validate(2)
-            return steps, controller.last_validation, controller.run_dir
-        finally:
-            await controller.close()
-
-    steps, validation, run_dir = asyncio.run(run())
+    run = drive(config, steps=2, validate=True, warm_start=False)
+    steps, validation, run_dir = run.steps, run.validation, run.run_dir
     assert [m["trainer/policy_version"] for m in steps] == [1, 2]
     assert all(m["rollout/num_rollouts"] == 4 for m in steps)
     assert all(m["rollout/num_error_rollouts"] == 0 for m in steps)

@@ -16,6 +16,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+from driver import drive  # noqa: E402
+
 from torchtitan_rl.actors.generator import build_engine  # noqa: E402
 from torchtitan_rl.config import load_config  # noqa: E402
 from torchtitan_rl.controller.loop import Controller  # noqa: E402
@@ -230,18 +232,8 @@ def test_three_rl_steps_through_monarch_with_vllm(tmp_path):
         ],
     )
 
-    async def run():
-        controller = Controller(config, use_tqdm=False)
-        try:
-            await controller.start()
-            await controller.warm_start()
-            steps = [await controller.rl_step(step) for step in (1, 2, 3)]
-            version = await controller.generators[0].policy_version.call_one()
-            return steps, version
-        finally:
-            await controller.close()
-
-    steps, version = asyncio.run(run())
+    run = drive(config, steps=3)
+    steps, version = run.steps, run.generator_version
     assert [m["trainer/policy_version"] for m in steps] == [3, 4, 5]
     assert version == 5, "the generator holds the trainer's latest weights"
     assert (tmp_path / "vllm" / "generator_start_hf" / "config.json").is_file(), "vLLM started"

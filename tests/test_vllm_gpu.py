@@ -19,12 +19,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("vllm")
 
+from driver import drive  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 from torchtitan.models.attention import FlexAttentionWrapper  # noqa: E402
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter  # noqa: E402
 
 from torchtitan_rl.config import load_config  # noqa: E402
-from torchtitan_rl.controller.loop import Controller  # noqa: E402
 from torchtitan_rl.generation.interface import EngineConfig  # noqa: E402
 from torchtitan_rl.generation.vllm_engine import start_vllm_engine  # noqa: E402
 from torchtitan_rl.models.hf_export import export_hf  # noqa: E402
@@ -212,18 +212,8 @@ def test_three_rl_steps_through_monarch_with_vllm_on_one_gpu(tmp_path):
         ],
     )
 
-    async def run():
-        controller = Controller(config, use_tqdm=False)
-        try:
-            await controller.start()
-            await controller.warm_start()
-            steps = [await controller.rl_step(step) for step in (1, 2, 3)]
-            version = await controller.generators[0].policy_version.call_one()
-            return steps, version
-        finally:
-            await controller.close()
-
-    steps, version = asyncio.run(run())
+    run = drive(config, steps=3)
+    steps, version = run.steps, run.generator_version
     print({k: [m[k] for m in steps] for k in ("trainer/policy_version", "perf/step_seconds")})
     assert [m["trainer/policy_version"] for m in steps] == [3, 4, 5]
     assert version == 5, "the generator holds the trainer's latest weights"

@@ -120,3 +120,19 @@ def test_a_warm_start_over_an_hf_checkpoint_is_said_and_quiet_otherwise():
     )
     config.warm_start.steps = 0
     assert warm_start_notice(config, AlphabetSort) is None
+
+
+def test_a_random_model_and_an_environment_without_demonstrations_is_said():
+    """Nothing can warm it up (a verifiers taskset, a plugin without `demonstration`): the
+    line names the key that gives RL a model to start from."""
+    from hosts_env import EvenTokens
+
+    from torchtitan_rl.controller.warm_start import warm_start_notice
+
+    config = load_config(TINY, ["--warm_start.steps=0", "--env.name=hosts_env:EvenTokens"])
+    notice = warm_start_notice(config, EvenTokens)
+    assert notice.startswith("a random-init model starts RL without a warm start and will ")
+    assert "env.name='hosts_env:EvenTokens' has no demonstrations" in notice
+    assert "set model.hf_checkpoint" in notice and "\n" not in notice
+    config.model.hf_checkpoint = "exported/hf"  # a model to start from: nothing to say
+    assert warm_start_notice(config, EvenTokens) is None

@@ -210,5 +210,21 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}{where}"
 
 
+def leave(code: int) -> None:
+    """Exit with `code` once our output is flushed, without running the interpreter's exit
+    hooks: Monarch's (`shutdown_context(host_timeout=0.3).get(timeout=1.0)`, then the Tokio
+    runtime's) would shut the client mesh down again after `Controller.close` did, and when
+    that takes longer than its second (a loaded machine) it prints a `TimeoutError`
+    traceback and aborts the process (exit -6) after our last line was printed. Every file
+    the run writes is closed by `Controller.close` before `main` returns."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):  # a reader that left; a stream already closed
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]))

@@ -53,8 +53,7 @@ class ParallelismConfig:
     of the run, at least 1 (2 cores, the default 3 processes: 1 thread each). The threads of
     all processes never outnumber the cores, also while the roles take turns: a torch process
     with a thread per core slows ~10x as soon as other work takes one of those cores (its
-    threads wait for each other at every op), e.g. 45-65 vs 3.4 s/step for the default job on
-    a busy 2-core machine."""
+    threads wait for each other at every op; docs/benchmarks.md, "Cores, processes")."""
 
     def threads(self, procs: int) -> int:
         """torch threads per process when the run has `procs` trainer and generator

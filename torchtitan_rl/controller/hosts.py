@@ -94,8 +94,8 @@ def kubernetes_meshes(launcher: LauncherConfig, gpus: int | None) -> dict[str, d
 
 HOST_SILENCE = "{}s"
 """Monarch's status queries (get_actor_state_max_idle, get_proc_state_max_idle): how long a
-host may stay silent before its actors count as dead. The defaults (30 s, 1 min) made a
-killed simulated host surface ~70 s later; 3 s made it ~12 s (this 2-core VM)."""
+host may stay silent before its actors count as dead: set from launcher.host_timeout_s, as
+Monarch's defaults (30 s, 1 min) report a dead host a minute late (docs/hosts.md)."""
 
 
 def watch_hosts(launcher: LauncherConfig) -> None:

@@ -55,8 +55,9 @@ def check_demonstrations_fit(cfg: Config, environment, renderer) -> None:
 
 def warm_start_notice(cfg: Config, environment) -> str | None:
     """One line when the warm start does not fit the model a run starts from: a random
-    model without one scores ~0 (nothing for RL to learn from), and one loaded from
-    model.hf_checkpoint still gets one unless warm_start.steps = 0."""
+    model without one scores ~0 (nothing for RL to learn from; an environment without
+    demonstrations, e.g. a verifiers taskset, needs model.hf_checkpoint instead), and one
+    loaded from model.hf_checkpoint still gets one unless warm_start.steps = 0."""
     if cfg.training.steps == 0:
         return None
     if cfg.model.hf_checkpoint and cfg.warm_start.steps:
@@ -73,6 +74,11 @@ def warm_start_notice(cfg: Config, environment) -> str | None:
                 'set warm_start.steps (e.g. extends = "alphabet_sort_tiny.toml": 400 steps up '
                 "to warm_start.target_loss)"
             )
+        return (
+            "a random-init model starts RL without a warm start and will earn ~0 reward: "
+            f"env.name={cfg.env.name!r} has no demonstrations to warm it up; set "
+            "model.hf_checkpoint to a model that can already attempt the task (a Qwen3 folder)"
+        )
     return None
 
 

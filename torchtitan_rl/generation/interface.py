@@ -31,8 +31,8 @@ DEFAULT_BLOCK_SIZE = 16
 CPU_BLOCK_MULTIPLE = 32
 """vLLM's CPU attention needs KV blocks of a multiple of 32 tokens (its default there)."""
 """Native decode attention: "gather" (blocks gathered, batched matmuls; any device), "triton"
-(reads the paged cache in place; CUDA only; 3.9x the engine throughput of "gather" on an
-H200, scripts/bench_generate.py) or "auto" (triton on CUDA, else gather)."""
+(reads the paged cache in place; CUDA only; faster: docs/benchmarks.md, "Decode") or "auto"
+(triton on CUDA, else gather)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -19,10 +19,10 @@ chunk) for the first two:
    the id's fp32 log-prob.
 
 The log-normaliser is combined from chunks (online max and sum in fp32), so a log-prob
-may differ from `torch.log_softmax`'s by fp32 rounding (up to 9.5e-7 measured), and the
-cumulative sums add in another order. A token can therefore differ from the reference's
-only where the draw lies within about 1e-6 (relative) of a boundary between two tokens:
-an independent review measured 3e-6 to 1.2e-5 such draws per draw at V = 1,000-3,000.
+may differ from `torch.log_softmax`'s by fp32 rounding, and the cumulative sums add in
+another order. A token can therefore differ from the reference's only where the draw lies
+within about 1e-6 (relative) of a boundary between two tokens (how often: docs/benchmarks.md,
+"Decode").
 `tests/test_sampling_kernel.py` runs the kernels under the Triton interpreter.
 Triton is imported on first use, so this module imports on any machine.
 Shape legend: N = rows, V = vocab.

@@ -16,11 +16,9 @@ input dtype, then cuBLAS forms grad_weight[chunk] = g^T hidden (complete, K = N)
 grad_hidden += g weight[chunk] (fp32 accumulator). Cv is sized so g stays within
 DLOGITS_BUFFER_BYTES. FLOPs: 2NDV forward, 6NDV backward (recompute + two products).
 
-Measured on one H200 (T=32768, D=1024, V=151936, bf16; scripts/bench_logprob.py): 68.0 ms
-forward + backward, 0.73 GiB extra. GPU time: forward kernel 16.8 ms, g kernels 18.7 ms,
-the two cuBLAS products 13.5 + 12.1 ms (61.7 ms of kernels; the 8NDV floor is 51.3 ms). A variant that let cuBLAS
-write each bf16 logit chunk and kept only the softmax parts in Triton took 81.0 ms (and
-rounds logits to bf16), so it was dropped; a 512 MiB g buffer changed nothing measurable.
+Its timing against the 8NDV floor and the alternatives (a variant that let cuBLAS write
+each bf16 logit chunk was slower and rounds logits to bf16): docs/benchmarks.md, "Log-prob
+head".
 
 Shape suffixes: N tokens, D hidden size, V vocabulary, S vocabulary splits, C chunk ids.
 """
@@ -57,13 +55,14 @@ class TileConfig:
     """Load tiles with the Hopper copy engine (tensor descriptors) where shapes allow."""
     maxnreg: int | None = None
     """Register cap per thread: 128 lets two 8-warp programs share an SM, so one's softmax
-    can overlap the other's matmul (on the H200 it was not faster). None: compiler's choice."""
+    can overlap the other's matmul (not faster where tried: docs/benchmarks.md). None: the
+    compiler's choice."""
 
 
 FORWARD_TILES = TileConfig(block_v=256)
-"""Fastest of those `bench_logprob.py --tune` tried on the H200 (17.9 ms vs 20.3-24.9)."""
+"""Fastest of those `bench_logprob.py --tune` tried (docs/benchmarks.md, "Log-prob head")."""
 BACKWARD_TILES = TileConfig(block_v=256)
-"""Fastest there too, by a hair (70.8 ms forward + backward vs 70.9-72.4)."""
+"""Fastest there too, by a hair."""
 CHUNK_ALIGN = 256
 """Vocabulary chunks are a multiple of this many ids, so kernel tiles do not straddle them."""
 

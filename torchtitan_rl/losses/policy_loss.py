@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from torchtitan_rl.checks import check_range
-from torchtitan_rl.models.hf_folder import check_hf_folder
+from torchtitan_rl.hf_folder import check_hf_folder
 from torchtitan_rl.reductions import Metric
 
 LOG_RATIO_CLAMP = 20.0

@@ -20,8 +20,8 @@ from torchtitan.models.attention import FlexAttentionWrapper
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs, qwen3_args
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
+from torchtitan_rl.hf_folder import check_hf_folder
 from torchtitan_rl.losses.logprobs import token_logprobs, vocab_parallel_token_logprobs
-from torchtitan_rl.models.hf_folder import check_hf_folder
 
 TINY_ARGS = dict(
     dim=128,

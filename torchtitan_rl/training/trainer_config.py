@@ -36,8 +36,8 @@ class TrainingConfig:
     """Parameter dtype for forward/backward: "float32" or "bfloat16" (GPU)."""
     compile: bool = False
     """Compile each transformer block with torch.compile (one graph per block: norms, RoPE,
-    attention and MLP fused by Inductor). The first step pays the compilation (~10 s for
-    Qwen3-0.6B on an H200); meant for GPU, works on CPU too."""
+    attention and MLP fused by Inductor). The first step pays the compilation; meant for GPU,
+    works on CPU too."""
 
     def lr_factor(self, step: int) -> float:
         """The learning rate of optimizer step `step` (from 0), as a fraction of `lr`."""

@@ -14,9 +14,9 @@ broadcast through it), so an address the generators cannot reach shows at start,
 two broadcasts: the policy version (one int64), then the packed buffer (`packing.py`
 layout).
 
-Why gloo and not Monarch's RDMABuffer on CPU: on this 2-core VM, TCP loopback, gloo moved
-268 MB in 0.08 s (3.2 GB/s) where RDMABuffer's TCP fallback (no ibverbs) moved 67 MB in
-0.2 s (0.34 GB/s); scripts/bench_weight_sync.py --hosts measures both side by side.
+Why gloo and not Monarch's RDMABuffer on CPU: without ibverbs RDMABuffer runs over its TCP
+fallback, slower than gloo's TCP (docs/hosts.md, "Measured here";
+scripts/bench_weight_sync.py --hosts measures both side by side).
 """
 
 from __future__ import annotations

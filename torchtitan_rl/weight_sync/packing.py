@@ -97,8 +97,8 @@ def pack_weights(
     layout, numel = make_layout(state)
     # Pageable memory, exact size, filled straight from the weights: no second model on the GPU and
     # no pinned block that torch's host allocator would round up and keep for the run. From
-    # a GPU this copy is slower (0.6B bf16 on an H200: ~0.6 s), but this path is the
-    # fallback there: same-host syncs go through `SharedBuffer`.
+    # a GPU this copy is slower, but this path is the fallback there: same-host syncs go
+    # through `SharedBuffer`.
     out_P = torch.empty(numel, dtype=dtype)
     gather_into(state, out_P)
     return PackedWeights(version=version, flat_P=out_P, layout=layout)
@@ -122,8 +122,8 @@ def sharded_state(model: nn.Module) -> dict[str, torch.Tensor]:
     communication.
 
     `model.state_dict` rather than `get_model_state_dict`: the same tensors under the same
-    names for our models (no wrapper modules: `apply_compile` swaps `forward` in place), in
-    0.5 ms instead of 10 ms for Qwen3 0.6B on an H200 host; FSDP's pre-save hook still
+    names for our models (no wrapper modules: `apply_compile` swaps `forward` in place), and
+    much faster (docs/benchmarks.md, "Weight sync"); FSDP's pre-save hook still
     hands back shards when the root was left unsharded after a forward. A wrapper module
     would show in the names, and the generator rejects unknown names.
     """
