@@ -71,10 +71,14 @@ def test_packed_mixed_step_matches_a_float64_full_forward_and_the_padded_path():
         atol=1e-6,
         rtol=1e-6,
     )
-    # the same cache state, through the padded prefill and the decode path
+    # the same cache state, through the padded path (prefill rows) and the decode path
     separate = make_runner(reference.float(), dtype=torch.float64)
+    separate.batch_invariant = False
     prefill_earlier(separate, seqs)
     torch.testing.assert_close(separate.forward(batch), got_RV, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        separate._forward_padded(batch[1:]), got_RV[1:], atol=1e-6, rtol=1e-6
+    )
 
 
 def test_packed_step_padding_tokens_touch_only_the_scratch_block():

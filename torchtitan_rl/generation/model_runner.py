@@ -35,6 +35,7 @@ from torchtitan.models.qwen3 import Qwen3Model
 from torchtitan.models.qwen3.model.model import precompute_rope_cache
 
 from torchtitan_rl.device import to_device_async
+from torchtitan_rl.generation.batch_invariant import WidthGroup, padded_rows, width_groups
 from torchtitan_rl.generation.interface import DECODE_ATTENTION
 from torchtitan_rl.generation.kv_cache import PagedKVCache
 from torchtitan_rl.generation.paged_attention import paged_decode_attention
@@ -93,6 +94,8 @@ class ModelRunner:
         if decode_attention == "auto":
             decode_attention = "triton" if self.device.type == "cuda" else "gather"
         self.decode_attention = decode_attention
+        self.batch_invariant = self.device.type == "cpu"
+        """Every step one batch-invariant packed step (generation/batch_invariant.py)."""
         self.query_group = args.n_heads // (args.n_kv_heads or args.n_heads)
         """G: query heads per key/value head (the same on every TP rank)."""
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -123,6 +126,8 @@ class ModelRunner:
         if not batch:
             raise ValueError("forward needs at least one sequence")
         self._check(batch)
+        if self.batch_invariant:
+            return self._invariant_step(batch)
         multi = [i for i, s in enumerate(batch) if len(s.token_ids) > 1]
         if not multi:  # the common decode step; may be a view of a CUDA graph's output
             return self._decode(batch)
@@ -138,6 +143,27 @@ class ModelRunner:
         logits_BV.index_copy_(0, multi_R, self._forward_padded([batch[i] for i in multi]))
         logits_BV.index_copy_(0, single_R, self._decode([batch[i] for i in single]))
         return logits_BV
+
+    def _invariant_step(
+        self, batch: list[SeqInput], tokens_D: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`batch` as one batch-invariant packed step (generation/batch_invariant.py); the
+        first len(tokens_D) rows take their one token from `tokens_D`."""
+        num_tokens = sum(len(s.token_ids) for s in batch)
+        tokens_M, pos_M, table_MN, last_R = self.packed_inputs(
+            batch, padded_rows(num_tokens), padded_rows(len(batch)), self.max_blocks_per_seq
+        )
+        if tokens_D is not None:
+            tokens_M[: len(tokens_D)] = tokens_D
+        args = [to_device_async(t, self.device) for t in (tokens_M, pos_M, table_MN, last_R)]
+        groups = width_groups(
+            args[1],
+            args[2],
+            block_size=self.block_size,
+            num_kv_heads=self.kv_cache.k_L[0].shape[0],
+            group=self.query_group,
+        )
+        return self.packed_step(*args, groups=groups)[: len(batch)]
 
     def _check(self, batch: list[SeqInput]) -> None:
         for seq in batch:
@@ -158,6 +184,8 @@ class ModelRunner:
         token, as in `forward_decode`) and rows that feed tokens from the host (`prefill`,
         any number each); logits `[len(decode) + len(prefill), V]`, decode rows first."""
         self._check(prefill)
+        if self.batch_invariant:
+            return self._invariant_step(decode + prefill, tokens_D)
         if not prefill:
             return self.forward_decode(decode, tokens_D)
         if self.mixed_graphs is not None and self.mixed_graphs.fits(decode + prefill):
@@ -227,6 +255,8 @@ class ModelRunner:
         """A decode step whose tokens are already on the device (`tokens_B[i]` is row i's
         token; `batch[i].token_ids` is ignored): the engine's look-ahead feeds the tokens
         of a sampling step that the host has not read yet. Logits as `forward`'s."""
+        if self.batch_invariant:
+            return self._invariant_step(batch, tokens_B)
         num_blocks = max(s.start // self.block_size + 1 for s in batch)
         if self.decode_graphs is not None:
             return self.decode_graphs.run(batch, num_blocks, tokens_B=tokens_B)
@@ -248,18 +278,20 @@ class ModelRunner:
         pos_M: torch.Tensor,
         table_MN: torch.Tensor,
         last_R: torch.Tensor | None = None,
+        groups: list[WidthGroup] | None = None,
     ) -> torch.Tensor:
         """A step over M packed tokens of any rows, each with its own position and its
         row's block table (`table_MN[m]`); logits `[R, V]` at the tokens `last_R` (None: at
         every token). Each layer writes every token's key/value before any attends, and a
         query sees the keys at positions <= its own: a row's new tokens see each other
         causally, whatever rows share the step. Static shapes and no host syncs:
-        CUDA-graph capturable (decode: one token per row; mixed steps: `cuda_graphs`)."""
+        CUDA-graph capturable (decode: one token per row; mixed steps: `cuda_graphs`).
+        `groups`: attend per context-width group (generation/batch_invariant.py)."""
         cache = self.kv_cache
         slot_M = cache.slots(table_MN, pos_M[:, None]).squeeze(1)
         rope = self._rope(pos_M)
         gather = self.decode_attention == "gather"
-        if gather:
+        if gather and groups is None:
             key_pos_S = torch.arange(table_MN.shape[1] * self.block_size, device=self.device)
             # Keys after each token's position, masked in every layer: built once per step,
             # in the scores' own shape (a broadcast mask is slower to apply).
@@ -271,7 +303,15 @@ class ModelRunner:
             attn = layer.attention
             q_MHD, k_MHD, v_MHD = self._layer_qkv(layer, h_ME, *rope)
             cache.write(layer_idx, slot_M, k_MHD, v_MHD)
-            if gather:
+            if groups is not None:
+                out_MHqD = torch.empty_like(q_MHD)
+                for g in groups:
+                    k_HmSD, v_HmSD = cache.gather(layer_idx, g.table)
+                    out = _decode_attention(
+                        q_MHD[g.token_idx], k_HmSD, v_HmSD, g.hidden, attn.scaling
+                    )
+                    out_MHqD.index_copy_(0, g.token_idx, out)
+            elif gather:
                 k_HMSD, v_HMSD = cache.gather(layer_idx, table_MN)
                 out_MHqD = _decode_attention(q_MHD, k_HMSD, v_HMSD, hidden_XGS, attn.scaling)
             else:
