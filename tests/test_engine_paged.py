@@ -258,3 +258,21 @@ def test_engine_config_rejects_bad_sync_mode_and_too_few_blocks():
         EngineConfig(max_seq_len=64, block_size=16, num_blocks=3).validate()
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(block_size=-1).validate()
+
+
+def test_admission_under_a_token_budget_takes_arrivals_in_order_and_at_least_one():
+    from torchtitan_rl.generation.block_manager import BlockManager
+    from torchtitan_rl.generation.scheduler import Request, Scheduler
+
+    def request(name: str, n: int) -> Request:
+        future = asyncio.new_event_loop().create_future()
+        return Request(
+            request_id=name, prompt_ids=list(range(n)), sampling=GREEDY, future=future,
+            generator=torch.Generator(), arrival_s=0.0,
+        )  # fmt: skip
+
+    sched = Scheduler(BlockManager(64, 4, enable_prefix_cache=False), max_num_seqs=8)
+    sched.waiting.extend([request("a", 30), request("b", 10), request("c", 5), request("d", 1)])
+    assert [r.request_id for r in sched.admit(0.0, max_new_tokens=12)] == ["a"]  # over, first
+    assert [r.request_id for r in sched.admit(0.0, max_new_tokens=15)] == ["b", "c"]
+    assert [r.request_id for r in sched.admit(0.0)] == ["d"]  # no budget: all that fits

@@ -158,7 +158,12 @@ class Engine(EngineFront):
         return bool(self._sched.running)
 
     def _admit(self) -> None:
-        self._sched.admit(time.perf_counter())
+        """Admits what fits; with mixed-step graphs, no more prefill tokens than the largest
+        graph holds beside the running rows, so the step stays a graph replay (the rest
+        joins the next steps)."""
+        graphs = self._runner.mixed_graphs
+        budget = None if graphs is None else graphs.buckets[-1] - len(self._sched.running)
+        self._sched.admit(time.perf_counter(), max_new_tokens=budget)
 
     def _drop_all(self) -> list[asyncio.Future]:
         self._ahead = None

@@ -106,11 +106,14 @@ class Scheduler:
         self.running: list[Request] = []
         """In admission order: preemption takes from the end."""
 
-    def admit(self, now: float) -> list[Request]:
-        """Moves queued requests into the running batch while sequences and blocks allow;
-        stops at the first that does not fit, so requests start in arrival order."""
+    def admit(self, now: float, max_new_tokens: int | None = None) -> list[Request]:
+        """Moves queued requests into the running batch while sequences and blocks allow,
+        and, with `max_new_tokens`, while the uncached tokens they feed add up to at most
+        that (the first one always comes in); stops at the first that does not fit, so
+        requests start in arrival order."""
         admitted: list[Request] = []
         bs = self.blocks.block_size
+        new_tokens = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.future.done():  # the caller gave up while it was queued
@@ -124,6 +127,10 @@ class Scheduler:
             new = self.blocks.blocks_needed(len(tokens)) - len(cached)
             if not self.blocks.can_allocate(cached, new):
                 break
+            feeds = len(tokens) - len(cached) * bs
+            if admitted and max_new_tokens is not None and new_tokens + feeds > max_new_tokens:
+                break
+            new_tokens += feeds
             self.waiting.popleft()
             request.block_table = self.blocks.allocate(cached, len(tokens))
             self.blocks.register(request.block_table, request.hashes)
