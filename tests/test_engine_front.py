@@ -138,3 +138,43 @@ def test_look_ahead_stays_in_flight_across_arrivals_and_finishes(threaded):
     np.testing.assert_array_equal(
         [c.metrics["generator/preemptions"] for c in got], np.zeros(len(got))
     )
+
+
+def test_a_request_sent_as_the_thread_fails_is_failed_not_lost(monkeypatch):
+    """`generate` checks for a failed thread, then queues: the thread failing in between
+    (forced here) must not leave the request in an inbox no one reads."""
+
+    async def main():
+        e = engine(threaded=True)
+        steps, fail = e._steps, threading.Event()
+
+        def failing(num_steps):
+            if fail.is_set():
+                raise RuntimeError("device lost")
+            return steps(num_steps)
+
+        ensure = e._ensure_driver
+
+        def ensure_then_fail():
+            ensure()
+            if e._inbox or e._has_running():  # the second request: fail the thread now
+                fail.set()
+                e._wake.set()
+                e._thread.join()
+
+        monkeypatch.setattr(e, "_steps", failing)
+        monkeypatch.setattr(e, "_ensure_driver", ensure_then_fail)
+        params = replace(samplings(1)[0], max_tokens=30, stop_token_ids=())
+        first = asyncio.ensure_future(e.generate(prompt(4), request_id="0", sampling=params))
+        while not e._has_running():
+            await asyncio.sleep(0.001)
+        second = asyncio.ensure_future(e.generate(prompt(5), request_id="1", sampling=params))
+        outs = await asyncio.wait_for(
+            asyncio.gather(first, second, return_exceptions=True), timeout=10
+        )
+        await e.close()
+        return outs
+
+    first, second = run(main())
+    assert "device lost" in str(first)
+    assert isinstance(second, RuntimeError) and "engine loop stopped" in str(second)

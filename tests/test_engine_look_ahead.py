@@ -149,3 +149,38 @@ def test_cuda_graph_engine_look_ahead_gives_identical_completions():
     )
     assert {c.finish_reason for c in ref} == {FinishReason.STOP, FinishReason.LENGTH}
     assert_identical(got, ref)
+
+
+def test_a_row_cancelled_while_the_look_ahead_is_built_is_finished(monkeypatch):
+    """The caller's loop may cancel a row while the engine thread builds the next step:
+    forced here between the look-ahead's two reads of the rows (cancelled from inside
+    `Request.is_over`). The row must be finished, not left running outside the step in
+    flight (the next look-ahead then fed it as a prefill with no token: ValueError)."""
+    from torchtitan_rl.generation.scheduler import Request
+
+    e = engine(True, max_num_seqs=4)
+    launches = {"n": 0, "armed": False}
+    launch = e._launch_look_ahead
+
+    def counted(requests, sampled):
+        launches["n"] += 1
+        launches["armed"] = launches["n"] == 3
+        try:
+            return launch(requests, sampled)
+        finally:
+            launches["armed"] = False
+
+    is_over = Request.is_over
+
+    def cancelled_now(request):
+        if launches["armed"] and request.request_id == "1":
+            request.future.cancel()
+        return is_over(request)
+
+    monkeypatch.setattr(e, "_launch_look_ahead", counted)
+    monkeypatch.setattr(Request, "is_over", cancelled_now)
+    params = samplings(3, stop_token_ids=(), temperature=0.0)
+    outs = generate(e, [prompt(5, offset=i) for i in range(3)], params)
+    assert isinstance(outs[1], asyncio.CancelledError)
+    assert [c.finish_reason for c in (outs[0], outs[2])] == [FinishReason.LENGTH] * 2
+    assert e._sched.blocks.num_free == e._sched.blocks.num_blocks

@@ -220,11 +220,14 @@ class Engine(EngineFront):
     def _launch_look_ahead(self, requests: list[Request], sampled: _Sampled):
         """Queues the forward of the step after `requests`' (see `_steps`): its rows, logits
         and weights version; None when the cache has no block to spare."""
-        for request in requests:  # cancelled while in flight: give its blocks back
-            if request.future.done() and not request.finished:
+        # Read once: the caller's loop may cancel a row meanwhile, and a row left out of
+        # the step must be finished, else it stays running outside the step in flight.
+        over = [r.is_over() for r in requests]
+        for request, is_over in zip(requests, over):
+            if is_over and not request.finished:  # cancelled while in flight
                 self._sched.finish(request)
                 request.finished = True
-        keep = [i for i, r in enumerate(requests) if not r.is_over()]
+        keep = [i for i, is_over in enumerate(over) if not is_over]
         continuing = [requests[i] for i in keep]
         in_step = {id(r) for r in requests}
         admitted = [r for r in self._sched.running if id(r) not in in_step]

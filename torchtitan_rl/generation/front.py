@@ -125,7 +125,9 @@ class EngineFront:
         future = asyncio.get_running_loop().create_future()
         prompt = np.asarray(prompt_ids).astype(np.int64).tolist()
         if self._threaded:
-            with self._lock:
+            with self._lock:  # the thread may have failed since `_ensure_driver`
+                if self._error is not None:
+                    raise RuntimeError("engine loop stopped") from self._error
                 self._inbox.append((request_id, prompt, sampling, future, time.perf_counter()))
         else:
             self._enqueue(request_id, prompt, sampling, future, time.perf_counter())
@@ -221,9 +223,9 @@ class EngineFront:
                     continue
                 self._iteration(1)
         except Exception as exc:  # fail every caller, from their loop; later calls raise
-            self._error = exc
             message = f"engine loop failed: {exc!r}"
-            with self._lock:
+            with self._lock:  # `generate` checks it under the lock before queueing
+                self._error = exc
                 futures = [*self._drop_all(), *(r[3] for r in self._inbox)]
                 self._inbox.clear()
             for future in futures:
