@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_engine import GREEDY, make_engine, prompt, run, tiny_qwen3, yield_loop
 
+from torchtitan_rl.generation.engine import Engine
 from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.types import SamplingParams
 
@@ -276,3 +277,29 @@ def test_admission_under_a_token_budget_takes_arrivals_in_order_and_at_least_one
     assert [r.request_id for r in sched.admit(0.0, max_new_tokens=12)] == ["a"]  # over, first
     assert [r.request_id for r in sched.admit(0.0, max_new_tokens=15)] == ["b", "c"]
     assert [r.request_id for r in sched.admit(0.0)] == ["d"]  # no budget: all that fits
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
+def test_drain_waits_for_a_request_preempted_back_to_the_queue(threaded):
+    """Two requests, a cache for one: the second is preempted (its old-weights tokens back in
+    the queue) while weights are pending. Drain lets it finish before pulling."""
+
+    async def main():
+        config = EngineConfig(max_num_seqs=4, max_seq_len=32, block_size=4, num_blocks=8,
+                              weight_sync_mode="drain")  # fmt: skip
+        e = Engine(tiny_qwen3(), config, threaded=threaded, steps_per_yield=1)
+        s = SamplingParams(temperature=0.0, max_tokens=14)
+        tasks = [
+            asyncio.ensure_future(e.generate(np.arange(12) + 10 * i, request_id=str(i), sampling=s))
+            for i in range(2)
+        ]
+        while e.stats["steps"] < 1:
+            await asyncio.sleep(0.001 if threaded else 0)
+        e.load_weights(tiny_qwen3(1).state_dict(), version=1)
+        outs = await asyncio.gather(*tasks)
+        await e.close()
+        return outs
+
+    outs = run(main())
+    assert sum(o.metrics["generator/preemptions"] for o in outs) > 0
+    assert [(o.policy_version_min, o.policy_version_max) for o in outs] == [(0, 0), (0, 0)]

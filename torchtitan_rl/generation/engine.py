@@ -157,13 +157,16 @@ class Engine(EngineFront):
     def _has_running(self) -> bool:
         return bool(self._sched.running)
 
-    def _admit(self) -> None:
+    def _has_started(self) -> bool:
+        return bool(self._sched.running) or any(r.token_ids for r in self._sched.waiting)
+
+    def _admit(self, started_only: bool = False) -> None:
         """Admits what fits; with mixed-step graphs, no more prefill tokens than the largest
         graph holds beside the running rows, so the step stays a graph replay (the rest
         joins the next steps)."""
         graphs = self._runner.mixed_graphs
         budget = None if graphs is None else graphs.buckets[-1] - len(self._sched.running)
-        self._sched.admit(time.perf_counter(), max_new_tokens=budget)
+        self._sched.admit(time.perf_counter(), max_new_tokens=budget, started_only=started_only)
 
     def _drop_all(self) -> list[asyncio.Future]:
         self._ahead = None

@@ -61,7 +61,9 @@ class EngineFront:
     - `_pull_weights(pending)`: apply `pending` (oldest first) and set `self._version`;
       called between engine steps, never inside one;
     - `_may_admit()`: False while queued requests must wait (vLLM: a pending cache reset);
-    - `_admit()`, `_steps(num_steps)`: queue -> running batch; up to num_steps engine steps;
+    - `_admit(started_only)`, `_steps(num_steps)`: queue -> running batch (`started_only`:
+      only requests preempted back to the queue); up to num_steps engine steps;
+    - `_has_started()`: running or preempted requests (default: `_has_running()`);
     - `_drop_all()`: forget every request, returning their futures;
     - `_shutdown()`: release the engine once the loop has stopped.
     """
@@ -236,12 +238,16 @@ class EngineFront:
 
     def _iteration(self, num_steps: int) -> None:
         drain = self.config.weight_sync_mode == "drain"
-        if self._pending_weights and not (drain and self._has_running()):
+        # drain: a request preempted back to the queue holds tokens of the old weights too
+        if self._pending_weights and not (drain and self._has_started()):
             with self._lock:
                 pending, self._pending_weights = self._pending_weights, []
             self._pull_weights(pending)
-        if self._has_waiting() and self._may_admit() and not (drain and self._pending_weights):
-            self._admit()
+        if self._has_waiting() and self._may_admit():
+            if not (drain and self._pending_weights):
+                self._admit()
+            else:  # draining: only what already started under the old weights comes back
+                self._admit(started_only=True)
         if self._has_running():
             self._steps(num_steps)
 
@@ -271,13 +277,18 @@ class EngineFront:
     def _has_running(self) -> bool:
         raise NotImplementedError
 
+    def _has_started(self) -> bool:
+        """Running, or queued again with tokens already generated (preempted)."""
+        return self._has_running()
+
     def _pull_weights(self, pending: list[Weights]) -> None:
         raise NotImplementedError
 
     def _may_admit(self) -> bool:
         return True
 
-    def _admit(self) -> None:
+    def _admit(self, started_only: bool = False) -> None:
+        """`started_only`: admit only requests that already generated tokens."""
         raise NotImplementedError
 
     def _steps(self, num_steps: int) -> None:

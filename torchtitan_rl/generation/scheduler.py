@@ -106,10 +106,13 @@ class Scheduler:
         self.running: list[Request] = []
         """In admission order: preemption takes from the end."""
 
-    def admit(self, now: float, max_new_tokens: int | None = None) -> list[Request]:
+    def admit(
+        self, now: float, max_new_tokens: int | None = None, started_only: bool = False
+    ) -> list[Request]:
         """Moves queued requests into the running batch while sequences and blocks allow,
         and, with `max_new_tokens`, while the uncached tokens they feed add up to at most
-        that (the first one always comes in); stops at the first that does not fit, so
+        that (the first one always comes in), and with `started_only` only requests that
+        already generated tokens (preempted); stops at the first that does not fit, so
         requests start in arrival order."""
         admitted: list[Request] = []
         bs = self.blocks.block_size
@@ -119,6 +122,8 @@ class Scheduler:
             if request.future.done():  # the caller gave up while it was queued
                 self.waiting.popleft()
                 continue
+            if started_only and not request.token_ids:
+                break
             tokens = request.tokens
             request.hashes = self.blocks.chain_hashes(tokens, [], self.epoch)
             request.hash_epoch = self.epoch

@@ -297,7 +297,9 @@ class VllmEngine(EngineFront):
         reset = self._llm.reset_prefix_cache(reset_running_requests=self.config.recompute_on_sync)
         self._cache_stale = not reset
 
-    def _admit(self) -> None:
+    def _admit(self, started_only: bool = False) -> None:
+        if started_only:  # vLLM preempts inside its own queue: none of ours has started
+            return
         now = time.perf_counter()
         for request in self._waiting:
             s = request.sampling
