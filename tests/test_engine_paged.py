@@ -303,3 +303,20 @@ def test_drain_waits_for_a_request_preempted_back_to_the_queue(threaded):
     outs = run(main())
     assert sum(o.metrics["generator/preemptions"] for o in outs) > 0
     assert [(o.policy_version_min, o.policy_version_max) for o in outs] == [(0, 0), (0, 0)]
+
+
+def test_long_prefills_neither_count_against_the_budget_nor_wait():
+    from torchtitan_rl.generation.block_manager import BlockManager
+    from torchtitan_rl.generation.scheduler import Request, Scheduler
+
+    def request(name: str, n: int) -> Request:
+        future = asyncio.new_event_loop().create_future()
+        return Request(
+            request_id=name, prompt_ids=list(range(n)), sampling=GREEDY, future=future,
+            generator=torch.Generator(), arrival_s=0.0,
+        )  # fmt: skip
+
+    sched = Scheduler(BlockManager(64, 4, enable_prefix_cache=False), max_num_seqs=8)
+    sched.waiting.extend([request("a", 8), request("long", 40), request("b", 8), request("c", 8)])
+    got = sched.admit(0.0, max_new_tokens=17, long_prefill=32)
+    assert [r.request_id for r in got] == ["a", "long", "b"]

@@ -88,6 +88,10 @@ class DecodeGraphs:
         return out[: len(batch)]
 
 
+LONG_PREFILL = 256
+"""A row feeding more tokens than this runs its step eagerly (padded path, SDPA)."""
+
+
 def token_buckets(max_tokens: int) -> list[int]:
     """32, 64, 128, 256, 512, then every 256 up to max_tokens (always included)."""
     small = [t for t in (32, 64, 128, 256) if t < max_tokens]
@@ -142,8 +146,13 @@ class MixedGraphs:
         torch.cuda.synchronize()
 
     def fits(self, batch: list[SeqInput]) -> bool:
-        return len(batch) <= self.max_rows and (
-            sum(len(s.token_ids) for s in batch) <= self.buckets[-1]
+        """Whether a graph holds the step: rows and tokens within the largest bucket, and no
+        row feeding more than `LONG_PREFILL` tokens (the eager path's attention reads a
+        long prompt's keys once, the packed step once per token)."""
+        return (
+            len(batch) <= self.max_rows
+            and sum(len(s.token_ids) for s in batch) <= self.buckets[-1]
+            and max(len(s.token_ids) for s in batch) <= LONG_PREFILL
         )
 
     def run(self, batch: list[SeqInput], tokens_D: torch.Tensor | None = None) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torchtitan.models.qwen3 import Qwen3Model
 
 from torchtitan_rl.device import DTYPES, to_device_async
 from torchtitan_rl.generation.block_manager import BlockManager
-from torchtitan_rl.generation.cuda_graphs import DecodeGraphs, MixedGraphs
+from torchtitan_rl.generation.cuda_graphs import LONG_PREFILL, DecodeGraphs, MixedGraphs
 from torchtitan_rl.generation.front import EngineFront
 from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.generation.model_runner import ModelRunner
@@ -161,12 +161,17 @@ class Engine(EngineFront):
         return bool(self._sched.running) or any(r.token_ids for r in self._sched.waiting)
 
     def _admit(self, started_only: bool = False) -> None:
-        """Admits what fits; with mixed-step graphs, no more prefill tokens than the largest
-        graph holds beside the running rows, so the step stays a graph replay (the rest
-        joins the next steps)."""
+        """Admits what fits; with mixed-step graphs, no more short prefill tokens than the
+        largest graph holds beside the running rows, so the step stays a graph replay (the
+        rest joins the next steps); long prompts come in at once (their step is eager)."""
         graphs = self._runner.mixed_graphs
         budget = None if graphs is None else graphs.buckets[-1] - len(self._sched.running)
-        self._sched.admit(time.perf_counter(), max_new_tokens=budget, started_only=started_only)
+        self._sched.admit(
+            time.perf_counter(),
+            max_new_tokens=budget,
+            started_only=started_only,
+            long_prefill=LONG_PREFILL,
+        )
 
     def _drop_all(self) -> list[asyncio.Future]:
         self._ahead = None

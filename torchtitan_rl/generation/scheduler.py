@@ -107,11 +107,16 @@ class Scheduler:
         """In admission order: preemption takes from the end."""
 
     def admit(
-        self, now: float, max_new_tokens: int | None = None, started_only: bool = False
+        self,
+        now: float,
+        max_new_tokens: int | None = None,
+        started_only: bool = False,
+        long_prefill: int | None = None,
     ) -> list[Request]:
         """Moves queued requests into the running batch while sequences and blocks allow,
         and, with `max_new_tokens`, while the uncached tokens they feed add up to at most
-        that (the first one always comes in), and with `started_only` only requests that
+        that (the first one always comes in; one feeding more than `long_prefill` neither
+        counts nor waits: its step is not a graph's anyway), and with `started_only` only requests that
         already generated tokens (preempted); stops at the first that does not fit, so
         requests start in arrival order."""
         admitted: list[Request] = []
@@ -133,9 +138,11 @@ class Scheduler:
             if not self.blocks.can_allocate(cached, new):
                 break
             feeds = len(tokens) - len(cached) * bs
-            if admitted and max_new_tokens is not None and new_tokens + feeds > max_new_tokens:
-                break
-            new_tokens += feeds
+            short = long_prefill is None or feeds <= long_prefill
+            if short and admitted and max_new_tokens is not None:
+                if new_tokens + feeds > max_new_tokens:
+                    break
+            new_tokens += feeds if short else 0
             self.waiting.popleft()
             request.block_table = self.blocks.allocate(cached, len(tokens))
             self.blocks.register(request.block_table, request.hashes)
