@@ -261,19 +261,23 @@ def test_engine_config_rejects_bad_sync_mode_and_too_few_blocks():
         EngineConfig(block_size=-1).validate()
 
 
+def queued(name: str, n: int):
+    """A scheduler request for an n-token prompt (no engine around it)."""
+    from torchtitan_rl.generation.scheduler import Request
+
+    future = asyncio.new_event_loop().create_future()
+    return Request(
+        request_id=name, prompt_ids=list(range(n)), sampling=GREEDY, future=future,
+        generator=torch.Generator(), arrival_s=0.0,
+    )  # fmt: skip
+
+
 def test_admission_under_a_token_budget_takes_arrivals_in_order_and_at_least_one():
     from torchtitan_rl.generation.block_manager import BlockManager
-    from torchtitan_rl.generation.scheduler import Request, Scheduler
-
-    def request(name: str, n: int) -> Request:
-        future = asyncio.new_event_loop().create_future()
-        return Request(
-            request_id=name, prompt_ids=list(range(n)), sampling=GREEDY, future=future,
-            generator=torch.Generator(), arrival_s=0.0,
-        )  # fmt: skip
+    from torchtitan_rl.generation.scheduler import Scheduler
 
     sched = Scheduler(BlockManager(64, 4, enable_prefix_cache=False), max_num_seqs=8)
-    sched.waiting.extend([request("a", 30), request("b", 10), request("c", 5), request("d", 1)])
+    sched.waiting.extend([queued("a", 30), queued("b", 10), queued("c", 5), queued("d", 1)])
     assert [r.request_id for r in sched.admit(0.0, max_new_tokens=12)] == ["a"]  # over, first
     assert [r.request_id for r in sched.admit(0.0, max_new_tokens=15)] == ["b", "c"]
     assert [r.request_id for r in sched.admit(0.0)] == ["d"]  # no budget: all that fits
@@ -307,16 +311,9 @@ def test_drain_waits_for_a_request_preempted_back_to_the_queue(threaded):
 
 def test_long_prefills_neither_count_against_the_budget_nor_wait():
     from torchtitan_rl.generation.block_manager import BlockManager
-    from torchtitan_rl.generation.scheduler import Request, Scheduler
-
-    def request(name: str, n: int) -> Request:
-        future = asyncio.new_event_loop().create_future()
-        return Request(
-            request_id=name, prompt_ids=list(range(n)), sampling=GREEDY, future=future,
-            generator=torch.Generator(), arrival_s=0.0,
-        )  # fmt: skip
+    from torchtitan_rl.generation.scheduler import Scheduler
 
     sched = Scheduler(BlockManager(64, 4, enable_prefix_cache=False), max_num_seqs=8)
-    sched.waiting.extend([request("a", 8), request("long", 40), request("b", 8), request("c", 8)])
+    sched.waiting.extend([queued("a", 8), queued("long", 40), queued("b", 8), queued("c", 8)])
     got = sched.admit(0.0, max_new_tokens=17, long_prefill=32)
     assert [r.request_id for r in got] == ["a", "long", "b"]
