@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from torchtitan_rl.rollout.router import Router
-from torchtitan_rl.types import Completion, FinishReason
+from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 
 
 class Replica:
@@ -211,3 +211,126 @@ def test_a_cancelled_batch_leaves_no_session_behind():
 
     asyncio.run(main())
     assert router.sessions == {} and router.inflight == [0, 0]
+
+
+class Held(Replica):
+    """A replica whose calls wait until the test releases them (`release`)."""
+
+    def __init__(self, name):
+        super().__init__(name, delay=0.0)
+        self.gates = {}
+
+    async def __call__(self, prompt_ids, *, request_id, session_id=None, sampling=None):
+        self.gates[request_id] = asyncio.Event()
+        await self.gates[request_id].wait()
+        return await super().__call__(
+            prompt_ids, request_id=request_id, session_id=session_id, sampling=sampling
+        )
+
+    def release(self, request_id):
+        self.gates.pop(request_id).set()
+
+
+class CallCountRouter(Router):
+    """The rule before issue 48, the baseline: a new session goes to the replica with the
+    fewest calls in flight, whatever their length."""
+
+    def pick(self, session_id):
+        if session_id is not None and session_id in self.sessions:
+            return self.sessions[session_id]
+        index = min(range(len(self.replicas)), key=lambda i: (self.inflight[i], self.routed[i], i))
+        if session_id is not None:
+            self.sessions[session_id] = index
+        return index
+
+
+def _call(router, session, max_tokens, prompt_len=4, turn=0):
+    return asyncio.create_task(
+        router(
+            np.zeros(prompt_len, np.int32),
+            request_id=f"{session}/turn={turn}",
+            session_id=session,
+            sampling=SamplingParams(max_tokens=max_tokens),
+        )
+    )
+
+
+async def _settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_session_sticks_to_its_replica_however_loaded_it_becomes():
+    replicas = [Held(0), Held(1)]
+    router = Router(replicas)
+
+    async def main():
+        first = _call(router, "s", max_tokens=10)
+        await _settle()
+        long = _call(router, "long", max_tokens=1000)  # to replica 1, the idle one
+        await _settle()
+        replicas[0].release("s/turn=0")
+        await first
+        # replica 1 is far busier, but the session's next turn goes where its prefix is
+        second = _call(router, "s", max_tokens=10, turn=1)
+        await _settle()
+        assert router.load(1) > router.load(0)
+        replicas[0].release("s/turn=1")
+        replicas[1].release("long/turn=0")
+        return [(await t).metrics["replica"] for t in (first, long, second)]
+
+    assert asyncio.run(main()) == [0, 1, 0]
+
+
+def _place_long_and_two_short(router_class):
+    """Replica 0 decodes one call of max_tokens 1000, replica 1 two of max_tokens 10; a new
+    session arrives. Returns its replica and the router's books while the calls run."""
+    replicas = [Held(0), Held(1)]
+    router = router_class(replicas)
+    router.sessions.update({"long": 0, "short/0": 1, "short/1": 1})
+
+    async def main():
+        held = [_call(router, s, max_tokens=m) for s, m in (("long", 1000), ("short/0", 10))]
+        held.append(_call(router, "short/1", max_tokens=10))
+        await _settle()
+        books = (list(router.inflight), list(router.outstanding_tokens))
+        new = _call(router, "new", max_tokens=10)
+        await _settle()
+        for replica in replicas:
+            for request_id in list(replica.gates):
+                replica.release(request_id)
+        await asyncio.gather(*held)
+        return (await new).metrics["replica"], books
+
+    placed, books = asyncio.run(main())
+    return placed, books, router
+
+
+def test_a_new_session_goes_to_the_replica_with_less_outstanding_work():
+    placed, (inflight, outstanding), router = _place_long_and_two_short(Router)
+    assert inflight == [1, 2]
+    assert outstanding == [4 + 1000, 2 * (4 + 10)]  # prompt + max_tokens per call
+    assert placed == 1
+    # counting calls would put it behind the long call
+    assert _place_long_and_two_short(CallCountRouter)[0] == 0
+    # all answered: the live sessions now weigh their last call, nothing is in flight
+    assert router.inflight == [0, 0] and router.outstanding_tokens == [0, 0]
+    assert router.idle_tokens == [1004, 3 * 14]
+    for session in ("long", "short/0", "short/1", "new"):
+        router.end_session(session)
+    assert router.idle_tokens == [0, 0] and router.sessions == {}
+
+
+def test_sessions_between_turns_count_as_work():
+    """Replica 0's session is between turns (its env thinks), replica 1 served more calls
+    before: a new session goes to replica 1, where counting calls in flight sees a tie
+    broken by calls served and picks replica 0."""
+    for router_class, expected in ((Router, 1), (CallCountRouter, 0)):
+        router = router_class([Replica(0, delay=0.0), Replica(1, delay=0.0)])
+        router.routed = [0, 3]
+
+        async def main(router=router):
+            await _call(router, "thinking", max_tokens=100)
+            return (await _call(router, "new", max_tokens=100)).metrics["replica"]
+
+        assert asyncio.run(main()) == expected, router_class
