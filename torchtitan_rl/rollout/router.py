@@ -1,10 +1,26 @@
-"""Routes GenerateFn calls over several generator replicas.
+"""Routes GenerateFn calls over several generator replicas: sticky least loaded.
 
-A rollout's turns carry one session id; the first turn of a session goes to the
-least-loaded replica and every later turn sticks to it, so the replica's prefix cache
-already holds the conversation so far. Calls without a session id go least-loaded.
-The Rollouter ends each session when its rollout ends (`end_session`), so `sessions` holds
-the live rollouts only, however many steps run ahead (rollout.max_staleness) or overlap.
+A rollout's turns carry one session id; every turn after the first sticks to the replica
+the session was placed on, so that replica's prefix cache already holds the conversation
+so far. A new session (or a call without a session id) goes to the replica with the least
+outstanding work, in tokens:
+
+    load(replica) = sum over its calls in flight of (len(prompt_ids) + sampling.max_tokens)
+                  + sum over its live sessions with no call in flight of their last call's cost
+
+- A call's cost is its prompt plus max_tokens: an upper bound on what it will generate
+  (the router cannot know where it stops), and the prompt is prefill and KV cache the
+  replica holds while it decodes. Counting calls instead sends a new session to a replica
+  that has one 1000-token call rather than to one with two 10-token calls.
+- A live session between turns (its env is thinking) will send another turn to the same
+  replica soon, with a context at least as long as its last one: it weighs its last call's
+  cost. Counting only calls in flight would pile new sessions onto a replica whose
+  sessions happen to be between turns, and it then carries the long tail alone.
+
+Ties go to the replica that has served fewest calls (`routed`), then the lowest index, so
+placement is deterministic. The Rollouter ends each session when its rollout ends
+(`end_session`), so `sessions` holds the live rollouts only, however many steps run ahead
+(rollout.max_staleness) or overlap.
 """
 
 from __future__ import annotations
@@ -16,6 +32,11 @@ import numpy as np
 from torchtitan_rl.types import Completion, GenerateFn, SamplingParams
 
 
+def call_cost(prompt_ids: np.ndarray, sampling: SamplingParams | None) -> int:
+    """Tokens a call may occupy a replica with: its prompt plus an upper bound on its output."""
+    return int(prompt_ids.shape[0]) + (sampling or SamplingParams()).max_tokens
+
+
 class Router:
     """A GenerateFn over `replicas` (GenerateFns, e.g. one per generator actor)."""
 
@@ -24,15 +45,26 @@ class Router:
             raise ValueError("Router needs at least one replica")
         self.replicas = list(replicas)
         self.inflight = [0] * len(replicas)
+        """Calls in flight per replica."""
+        self.outstanding_tokens = [0] * len(replicas)
+        """Cost (`call_cost`) of the calls in flight per replica."""
+        self.idle_tokens = [0] * len(replicas)
+        """Last call's cost of the live sessions with no call in flight, per replica."""
         self.sessions: dict[str, int] = {}
         """{session id: replica} of the sessions not ended yet."""
         self.routed = [0] * len(replicas)
+        """Calls sent per replica since the start."""
+        self._idle_cost: dict[str, int] = {}
+        """{session id: its last call's cost} of live sessions with no call in flight."""
+
+    def load(self, index: int) -> int:
+        """Outstanding work of a replica in tokens (see the module docstring)."""
+        return self.outstanding_tokens[index] + self.idle_tokens[index]
 
     def pick(self, session_id: str | None) -> int:
         if session_id is not None and session_id in self.sessions:
             return self.sessions[session_id]
-        # least loaded; ties go to the replica that has served fewest calls, then lowest index
-        index = min(range(len(self.replicas)), key=lambda i: (self.inflight[i], self.routed[i], i))
+        index = min(range(len(self.replicas)), key=lambda i: (self.load(i), self.routed[i], i))
         if session_id is not None:
             self.sessions[session_id] = index
         return index
@@ -40,7 +72,24 @@ class Router:
     def end_session(self, session_id: str) -> None:
         """The session's rollout is over: forget its replica (a later session with the same
         id, e.g. a validation sample's, is placed afresh)."""
-        self.sessions.pop(session_id, None)
+        index = self.sessions.pop(session_id, None)
+        if index is not None:
+            self.idle_tokens[index] -= self._idle_cost.pop(session_id, 0)
+
+    def _start(self, index: int, session_id: str | None, cost: int) -> None:
+        self.inflight[index] += 1
+        self.outstanding_tokens[index] += cost
+        self.routed[index] += 1
+        if session_id is not None:  # no longer between turns: its call counts instead
+            self.idle_tokens[index] -= self._idle_cost.pop(session_id, 0)
+
+    def _finish(self, index: int, session_id: str | None, cost: int) -> None:
+        self.inflight[index] -= 1
+        self.outstanding_tokens[index] -= cost
+        if session_id is not None and self.sessions.get(session_id) == index:
+            # live and between turns until its next call (or end_session)
+            self.idle_tokens[index] += cost - self._idle_cost.get(session_id, 0)
+            self._idle_cost[session_id] = cost
 
     async def __call__(
         self,
@@ -51,11 +100,11 @@ class Router:
         sampling: SamplingParams | None = None,
     ) -> Completion | None:
         index = self.pick(session_id)
-        self.inflight[index] += 1
-        self.routed[index] += 1
+        cost = call_cost(prompt_ids, sampling)
+        self._start(index, session_id, cost)
         try:
             return await self.replicas[index](
                 prompt_ids, request_id=request_id, session_id=session_id, sampling=sampling
             )
         finally:
-            self.inflight[index] -= 1
+            self._finish(index, session_id, cost)
