@@ -1,6 +1,6 @@
 """Monarch adapter for a generation engine (native `Engine` or `VllmEngine`, chosen by
-`generator.backend`): one actor per generator process. Nothing below branches on the
-backend except construction and `weights`."""
+`generator.backend`, built from its row in generation/backends.py): one actor per
+generator process. Nothing below branches on the backend."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from monarch.actor import Actor, concurrent_endpoint
 
 from torchtitan_rl.actors.fault_log import enable_fault_log
 from torchtitan_rl.device import describe_device, pick_device
-from torchtitan_rl.generation.engine import Engine
+from torchtitan_rl.generation.backends import traits
 from torchtitan_rl.generation.interface import EngineConfig, GenerationEngine, error_completion
-from torchtitan_rl.models.qwen3 import ModelConfig, build_model, model_args
+from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.types import Completion, SamplingParams
 from torchtitan_rl.weight_sync.broadcast import BroadcastGroup, BroadcastReceiver
 from torchtitan_rl.weight_sync.packing import (
@@ -30,15 +30,9 @@ from torchtitan_rl.weight_sync.packing import (
 def build_engine(
     model: ModelConfig, engine: EngineConfig, vocab_size: int, device, hf_folder: str
 ) -> GenerationEngine:
-    """The engine `engine.backend` names, with the policy's weights (`hf_folder` for vllm)."""
-    if engine.backend == "vllm":
-        from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
-
-        from torchtitan_rl.generation.vllm_engine import start_vllm_engine
-
-        adapter = Qwen3StateDictAdapter(model_args(model, vocab_size), None)
-        return start_vllm_engine(hf_folder, engine, device, state_dict_adapter=adapter)
-    return Engine(build_model(model, vocab_size, device), engine, device)
+    """The engine `engine.backend` names, with the policy's weights (`hf_folder` for a
+    backend that starts from one: generation/backends.py)."""
+    return traits(engine.backend).build(model, engine, vocab_size, device, hf_folder)
 
 
 class GeneratorActor(Actor):
@@ -131,11 +125,7 @@ class GeneratorActor(Actor):
         """The weights the engine computes with now, as CPU tensors (tests, debugging): the
         native engine's by our names; vLLM's by its names, in its fused layouts (qkv_proj,
         gate_up_proj)."""
-        if isinstance(self.engine, Engine):
-            params = self.engine.runner.model.named_parameters(remove_duplicate=False)
-        else:
-            params = self.engine.model_parameters()
-        return {k: v.detach().cpu() for k, v in params}
+        return {k: v.detach().cpu() for k, v in self.engine.model_parameters()}
 
     @concurrent_endpoint
     async def engine_stats(self) -> dict[str, int]:

@@ -29,7 +29,8 @@ from torchtitan_rl.config.job import (
 from torchtitan_rl.config.launcher import LauncherConfig, check_hosts
 from torchtitan_rl.envs import resolve_environment
 from torchtitan_rl.envs.base import EnvConfig
-from torchtitan_rl.generation.interface import CPU_BLOCK_MULTIPLE, EngineConfig
+from torchtitan_rl.generation.backends import traits
+from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.losses.corrections import CorrectionConfig, check_objective
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models.qwen3 import ModelConfig
@@ -112,25 +113,26 @@ class Config:
             )
 
     def _check_generator_backend(self) -> None:
-        if self.generator.backend != "vllm":
-            return
-        if self.rollout.stop:
+        backend = self.generator.backend
+        own = traits(backend)
+        if self.rollout.stop and not own.stop_texts:
             raise ConfigError(
                 f"rollout.stop={self.rollout.stop} works with the native generator only (the "
-                "vllm backend generates token ids without text); use generator.backend = "
+                f"{backend} backend generates token ids without text); use generator.backend = "
                 '"native" or rollout.stop = []'
             )
-        if importlib.util.find_spec("vllm") is None:
+        if own.package is not None and importlib.util.find_spec(own.package) is None:
             raise ConfigError(
-                'generator.backend = "vllm" needs vLLM, which is not installed: see the '
-                'README ("vLLM backend") or use generator.backend = "native"'
+                f'generator.backend = "{backend}" needs {own.label}, which is not installed: '
+                f'{own.install_hint} or use generator.backend = "native"'
             )
         device = self.parallelism.device
         on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-        if on_cpu and self.generator.block_size % CPU_BLOCK_MULTIPLE:  # 0: 32 by itself
+        multiple = own.cpu_block_multiple
+        if on_cpu and self.generator.block_size % multiple:  # 0: resolved to a multiple
             raise ConfigError(
-                f"generator.block_size={self.generator.block_size}: vLLM on CPU needs a "
-                f"multiple of {CPU_BLOCK_MULTIPLE}; use 0 (the backend's default) or e.g. 32"
+                f"generator.block_size={self.generator.block_size}: {own.label} on CPU needs a "
+                f"multiple of {multiple}; use 0 (the backend's default) or e.g. {multiple}"
             )
 
     def environment_class(self):

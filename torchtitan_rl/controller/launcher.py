@@ -22,6 +22,7 @@ from torchtitan_rl.config import Config
 from torchtitan_rl.config.job import ParallelismConfig
 from torchtitan_rl.controller.placement import Placement, plan
 from torchtitan_rl.controller.supervision import SupervisionError
+from torchtitan_rl.generation.backends import Backend
 from torchtitan_rl.losses.corrections import BEHAVIOUR_WEIGHT_CAP, trainer_correction
 from torchtitan_rl.types import SamplingParams
 
@@ -90,7 +91,7 @@ class Meshes:
 
 
 async def launch_local(
-    parallelism: ParallelismConfig, replicas: int, backend: str = "native"
+    parallelism: ParallelismConfig, replicas: int, backend: Backend = "native"
 ) -> Meshes:
     """This host: `trainer_procs` processes for the trainer and one process per generator
     replica, on the GPUs `placement.plan` gives them; the trainer's get a torch.distributed

@@ -48,6 +48,7 @@ from torchtitan_rl.controller.warm_start import (
     warm_start_notice,
 )
 from torchtitan_rl.envs import build_environment
+from torchtitan_rl.generation.backends import traits
 from torchtitan_rl.models.renderer import Renderer
 from torchtitan_rl.models.tokenizer import Tokenizer
 from torchtitan_rl.reductions import merge, results
@@ -202,10 +203,11 @@ class Controller:
         await self.sync_weights()
 
     async def generator_start_folder(self) -> str:
-        """The Hugging Face folder the vllm backend starts from: model.hf_checkpoint, or
-        the trainer's initial policy exported in the generator's dtype ("" for native)."""
+        """The Hugging Face folder a backend that starts from one (vllm) starts from:
+        model.hf_checkpoint, or the trainer's initial policy exported in the generator's
+        dtype (model.hf_checkpoint, often "", for one that does not)."""
         cfg = self.config
-        if cfg.generator.backend != "vllm" or cfg.model.hf_checkpoint:
+        if not traits(cfg.generator.backend).starts_from_hf_folder or cfg.model.hf_checkpoint:
             return cfg.model.hf_checkpoint
         folder = self.run_dir / "generator_start_hf"
         self.supervisor.where = "while exporting the generator's starting weights"

@@ -15,7 +15,7 @@ says where the generator replicas go:
 The indices are the host's CUDA device indices as the controller sees them; every process
 inherits that view (Monarch does not narrow CUDA_VISIBLE_DEVICES) and takes its GPU by
 index, so a generator can still open trainer rank 0's buffer over CUDA IPC from another
-GPU. The vllm backend shares GPU 0 (see `plan`).
+GPU. A backend pinned to GPU 0 (vllm) shares it (see `plan`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from torchtitan_rl.config.job import ParallelismConfig, PlacementMode
+from torchtitan_rl.generation.backends import Backend, traits
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,15 +79,18 @@ def place(*, gpus: int, trainer_procs: int, replicas: int, mode: PlacementMode) 
     return Placement(trainer=trainer, generators=generators, gpus=gpus)
 
 
-def plan(parallelism: ParallelismConfig, replicas: int, backend: str = "native") -> Placement:
-    """The placement of this job on this host's GPUs (see `place`). The vllm backend runs on
-    GPU 0 (vLLM puts its engine on the first visible GPU whatever device it is given), so it
-    shares the trainer's GPU: "split" is refused in one line, "auto" shares."""
-    if backend == "vllm" and parallelism.gpu_count():
+def plan(parallelism: ParallelismConfig, replicas: int, backend: Backend = "native") -> Placement:
+    """The placement of this job on this host's GPUs (see `place`). A backend that cannot
+    run on any GPU of the host (`any_gpu_of_host`, generation/backends.py: vLLM puts its
+    engine on the first visible GPU whatever device it is given) runs on GPU 0, so it shares
+    the trainer's GPU: "split" is refused in one line, "auto" shares."""
+    own = traits(backend)
+    if not own.any_gpu_of_host and parallelism.gpu_count():
         if parallelism.placement == "split":
             raise ValueError(
                 'parallelism.placement = "split" is not available with generator.backend = '
-                '"vllm" (vLLM starts its engine on GPU 0); valid: "auto" or "shared"'
+                f'"{backend}" ({own.label} starts its engine on GPU 0); valid: "auto" or '
+                '"shared"'
             )
         p = place(
             gpus=parallelism.gpu_count(), trainer_procs=parallelism.trainer_procs,

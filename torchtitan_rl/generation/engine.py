@@ -74,6 +74,15 @@ class _Sampled:
     support_wanted: bool
 
 
+def build_native_engine(model, config: EngineConfig, vocab_size: int, device, hf_folder: str):
+    """The `generator.backend = "native"` factory (generation/backends.py): an `Engine` over
+    a freshly built policy model (`model`: a `ModelConfig`); its weights arrive by the first
+    sync, so `hf_folder` is unused."""
+    from torchtitan_rl.models.qwen3 import build_model
+
+    return Engine(build_model(model, vocab_size, device), config, device)
+
+
 class Engine(EngineFront):
     """Continuous-batching generation on one device (see the module docstring).
 
@@ -129,6 +138,10 @@ class Engine(EngineFront):
     @property
     def runner(self) -> ModelRunner:
         return self._runner
+
+    def model_parameters(self):
+        """(name, tensor) of the model this engine runs, by our names (tied ones repeated)."""
+        return self.runner.model.named_parameters(remove_duplicate=False)
 
     # ---- the verbs the front's loop calls (generation/interface.py) ----------------------
     def _enqueue(

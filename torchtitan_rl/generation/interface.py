@@ -18,18 +18,14 @@ import torch
 
 from torchtitan_rl.checks import check_range
 from torchtitan_rl.device import DTYPES, DtypeName
+from torchtitan_rl.generation.backends import DEFAULT_BLOCK_SIZE, Backend, traits
 from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 
 WeightSyncMode = Literal["hot_swap", "drain"]
-Backend = Literal["native", "vllm"]
 DecodeAttention = Literal["auto", "gather", "triton"]
 WEIGHT_SYNC_MODES = get_args(WeightSyncMode)
-BACKENDS = get_args(Backend)
+BACKEND_NAMES = get_args(Backend)
 DECODE_ATTENTION = get_args(DecodeAttention)
-DEFAULT_BLOCK_SIZE = 16
-"""KV block tokens when generator.block_size = 0, except vLLM on CPU."""
-CPU_BLOCK_MULTIPLE = 32
-"""vLLM's CPU attention needs KV blocks of a multiple of 32 tokens (its default there)."""
 """Native decode attention: "gather" (blocks gathered, batched matmuls; any device), "triton"
 (reads the paged cache in place; CUDA only; faster: docs/benchmarks.md, "Decode") or "auto"
 (triton on CUDA, else gather)."""
@@ -95,12 +91,13 @@ class EngineConfig:
                 f"generator.decode_attention must be one of {DECODE_ATTENTION}, "
                 f"got {self.decode_attention!r}"
             )
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.backend == "vllm" and self.decode_attention != "auto":
+        if self.backend not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
+        own = traits(self.backend)
+        if not own.own_decode_attention and self.decode_attention != "auto":
             raise ValueError(
-                f"decode_attention={self.decode_attention!r} is native only: vLLM picks its "
-                'own attention; remove it or use backend = "native"'
+                f"decode_attention={self.decode_attention!r} is native only: {own.label} "
+                'picks its own attention; remove it or use backend = "native"'
             )
         if self.weight_sync_mode not in WEIGHT_SYNC_MODES:
             raise ValueError(
@@ -113,8 +110,7 @@ class EngineConfig:
         ("cpu", "cuda"); engines build from the result."""
         if self.block_size:
             return self
-        vllm_cpu = self.backend == "vllm" and device_type == "cpu"
-        size = CPU_BLOCK_MULTIPLE if vllm_cpu else DEFAULT_BLOCK_SIZE
+        size = traits(self.backend).default_block_size(device_type)
         return dataclasses.replace(self, block_size=size)
 
     def total_blocks(self) -> int:
@@ -141,6 +137,10 @@ class GenerationEngine(Protocol):
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Queue full weights (torchtitan names); applied between engine steps."""
+
+    def model_parameters(self):
+        """(name, tensor) of the model the engine computes with, in its own names and
+        layouts (tests, debugging)."""
 
     async def close(self) -> None:
         """Fail outstanding requests and release the engine."""

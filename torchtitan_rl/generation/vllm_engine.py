@@ -127,6 +127,18 @@ def _unscannable_modules_hidden():
         sys.modules.update(hidden)
 
 
+def build_vllm_engine(model, config: EngineConfig, vocab_size: int, device, hf_folder: str):
+    """The `generator.backend = "vllm"` factory (generation/backends.py): vLLM started from
+    `hf_folder`, loading later weights through torchtitan's Qwen3 name mapping (`model`: a
+    `ModelConfig`)."""
+    from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+
+    from torchtitan_rl.models.qwen3 import model_args
+
+    adapter = Qwen3StateDictAdapter(model_args(model, vocab_size), None)
+    return start_vllm_engine(hf_folder, config, device, state_dict_adapter=adapter)
+
+
 def start_vllm_engine(
     hf_folder: str, config: EngineConfig, device: torch.device, *, state_dict_adapter
 ) -> VllmEngine:

@@ -1,0 +1,99 @@
+"""What differs between generation backends, one row per backend (`generator.backend`).
+
+Everything outside generation/ reads a backend's traits here instead of comparing its
+name, so a third backend is a row in `BACKENDS` plus its engine module (docs/design.md,
+"Adding a backend"):
+
+    traits("vllm").starts_from_hf_folder   # True: the controller exports a folder first
+    traits("native").any_gpu_of_host       # True: placement may give it any GPU
+
+Nothing here imports an engine: `BackendTraits.build` imports the factory it names when a
+generator process builds its engine, so this module imports on any machine (vLLM absent).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Literal
+
+Backend = Literal["native", "vllm"]
+DEFAULT_BLOCK_SIZE = 16
+"""KV block tokens when generator.block_size = 0, unless the backend needs a multiple of
+more on CPU (`cpu_block_multiple`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendTraits:
+    """One backend's row: how it is built and what the rest of the package must know."""
+
+    label: str
+    """The backend's name in error lines ("vLLM")."""
+    engine_factory: str
+    """"module:function" building the engine: `(model, engine, vocab_size, device,
+    hf_folder) -> GenerationEngine`; imported only by `build`."""
+    starts_from_hf_folder: bool
+    """The engine loads its first weights from a Hugging Face folder (model.hf_checkpoint,
+    or one the controller exports from the trainer's initial policy before it starts)."""
+    any_gpu_of_host: bool
+    """The engine runs on whichever GPU placement gives it; False: only on GPU 0 (so it
+    shares the trainer's GPU and parallelism.placement = "split" is refused)."""
+    stop_texts: bool
+    """rollout.stop (stop strings, matched as token sequences) is honoured."""
+    own_decode_attention: bool
+    """generator.decode_attention applies; False: the backend picks its own attention."""
+    cpu_block_multiple: int
+    """On CPU, generator.block_size must be a multiple of this (1: any size)."""
+    package: str | None
+    """The import the backend needs, checked before any process starts; None: none."""
+    install_hint: str
+    """Where the install of `package` is described, for the "not installed" line."""
+
+    def build(self, model, engine, vocab_size: int, device, hf_folder: str):
+        """The `GenerationEngine` for `engine` (an `EngineConfig`), built by
+        `engine_factory`, imported now (in the generator process)."""
+        module, name = self.engine_factory.split(":")
+        factory = getattr(importlib.import_module(module), name)
+        return factory(model, engine, vocab_size, device, hf_folder)
+
+    def default_block_size(self, device_type: str) -> int:
+        """generator.block_size = 0 resolved on `device_type` ("cpu", "cuda"):
+        DEFAULT_BLOCK_SIZE, rounded up to `cpu_block_multiple` on CPU."""
+        if device_type != "cpu":
+            return DEFAULT_BLOCK_SIZE
+        return -(-DEFAULT_BLOCK_SIZE // self.cpu_block_multiple) * self.cpu_block_multiple
+
+
+BACKENDS: dict[Backend, BackendTraits] = {
+    "native": BackendTraits(
+        label="the native engine",
+        engine_factory="torchtitan_rl.generation.engine:build_native_engine",
+        starts_from_hf_folder=False,
+        any_gpu_of_host=True,
+        stop_texts=True,
+        own_decode_attention=True,
+        cpu_block_multiple=1,
+        package=None,
+        install_hint="",
+    ),
+    "vllm": BackendTraits(
+        label="vLLM",
+        engine_factory="torchtitan_rl.generation.vllm_engine:build_vllm_engine",
+        starts_from_hf_folder=True,
+        # vLLM puts its engine on the first visible GPU whatever device it is given
+        any_gpu_of_host=False,
+        # it generates token ids without text, and stop strings need text
+        stop_texts=False,
+        own_decode_attention=False,
+        # vLLM's CPU attention needs KV blocks of a multiple of 32 tokens (its default there)
+        cpu_block_multiple=32,
+        package="vllm",
+        install_hint='see the README ("vLLM backend")',
+    ),
+}
+"""Every `Backend` value's traits (tests/test_backends.py checks none is missing)."""
+
+
+def traits(backend: Backend) -> BackendTraits:
+    """The row of `backend` (a `Backend` value, already validated by the config)."""
+    return BACKENDS[backend]
