@@ -32,6 +32,21 @@ def block_buckets(max_blocks: int, step: int) -> list[int]:
     return [*range(step, max_blocks, step), max_blocks]
 
 
+def capture(fn, args: tuple, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`fn(*args)` captured as a CUDA graph in memory pool `pool`, after one warm-up call
+    on a side stream (library handles, workspaces, compiled kernels for these shapes):
+    the graph and its output tensor, rewritten by each replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn(*args)
+    return graph, out
+
+
 class DecodeGraphs:
     """Captures `runner.decode_step` for every bucket pair and replays the matching one."""
 
@@ -57,15 +72,7 @@ class DecodeGraphs:
         for b in reversed(self.batches):
             for n in reversed(self.blocks):
                 args = (self._tokens_B[:b], self._pos_B[:b], self._table_BN[:b, :n])
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self.runner.decode_step(*args)  # warm-up: library handles, workspaces
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    out = self.runner.decode_step(*args)
-                self._graphs[(b, n)] = (graph, out)
+                self._graphs[(b, n)] = capture(self.runner.decode_step, args, self._pool)
         torch.cuda.synchronize()
 
     def run(
@@ -134,15 +141,7 @@ class MixedGraphs:
                 self._table_MN[:m],
                 self._last_R[: self._rows(m)],
             )
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.runner.packed_step(*args)  # warm-up: compiles this shape's kernels
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self.runner.packed_step(*args)
-            self._graphs[m] = (graph, out)
+            self._graphs[m] = capture(self.runner.packed_step, args, self._pool)
         torch.cuda.synchronize()
 
     def fits(self, batch: list[SeqInput]) -> bool:

@@ -208,8 +208,8 @@ class Engine(EngineFront):
         (nothing drains between calls). It is finished first before weights are pulled,
         and not started when a row wants its sampling support or the cache has no block
         to spare."""
-        for _ in range(num_steps):
-            if not (self._sched.running or self._ahead is not None):
+        for _ in range(num_steps):  # a step in flight always holds a running row
+            if not self._sched.running:
                 return
             self._step(look_ahead=self._look_ahead)
 
@@ -247,7 +247,6 @@ class Engine(EngineFront):
         for request, is_over in zip(requests, over):
             if is_over and not request.finished:  # cancelled while in flight
                 self._sched.finish(request)
-                request.finished = True
         keep = [i for i, is_over in enumerate(over) if not is_over]
         continuing = [requests[i] for i in keep]
         in_step = {id(r) for r in requests}
@@ -259,7 +258,7 @@ class Engine(EngineFront):
             return None
         tokens_N = sampled.result.token_ids_N
         if len(keep) < len(requests):
-            tokens_N = tokens_N[_staged_index(keep, tokens_N.device)]
+            tokens_N = tokens_N[to_device_async(torch.tensor(keep), tokens_N.device)]
         logits_NV = self._runner.forward_look_ahead(*inputs, tokens_N[: len(continuing)])
         self.stats["prefill_rows_joined"] += len(admitted)
         return continuing + admitted, logits_NV, self._version
@@ -279,7 +278,6 @@ class Engine(EngineFront):
     def _drop_cancelled(self) -> None:
         for request in [r for r in self._sched.running if r.future.done()]:
             self._sched.finish(request)
-            request.finished = True
 
     def _launch_sample(self, requests: list[Request], logits_NV: torch.Tensor) -> _Sampled:
         """Queues the sampling of each request's next token and the copy of the results to
@@ -331,7 +329,6 @@ class Engine(EngineFront):
             reason = self._finish_reason(request)
             if reason is not None:
                 self._sched.finish(request)
-                request.finished = True
                 self._resolve(request, reason, now, inflight)
 
     def _finish_reason(self, request: Request) -> FinishReason | None:
@@ -374,7 +371,3 @@ class Engine(EngineFront):
             },
         )
         self._complete(request.future, completion)
-
-
-def _staged_index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return to_device_async(torch.tensor(rows, dtype=torch.long), device)

@@ -225,12 +225,10 @@ class EngineFront:
                     continue
                 self._iteration(1)
         except Exception as exc:  # fail every caller, from their loop; later calls raise
-            message = f"engine loop failed: {exc!r}"
             with self._lock:  # `generate` checks it under the lock before queueing
                 self._error = exc
-                futures = [*self._drop_all(), *(r[3] for r in self._inbox)]
-                self._inbox.clear()
-            for future in futures:
+            message = f"engine loop failed: {exc!r}"
+            for future in self._take_all():
                 self._loop.call_soon_threadsafe(_fail, future, message)
 
     def _has_work(self) -> bool:
@@ -251,13 +249,16 @@ class EngineFront:
         if self._has_running():
             self._steps(num_steps)
 
-    def _fail_all(self, message: str) -> None:
-        """Fails every request the engine or the inbox holds; the driver must be stopped
-        (or be the caller)."""
+    def _take_all(self) -> list[asyncio.Future]:
+        """The futures of every request the engine or the inbox holds, which both forget;
+        the driver must be stopped (or be the caller)."""
         with self._lock:
             futures = [*self._drop_all(), *(r[3] for r in self._inbox)]
             self._inbox.clear()
-        for future in futures:
+        return futures
+
+    def _fail_all(self, message: str) -> None:
+        for future in self._take_all():
             _fail(future, message)
 
     # ---- what each engine implements ---------------------------------------------------

@@ -230,13 +230,19 @@ class ModelRunner:
         n = len(batch)
         tokens_B = np.zeros(num_rows, dtype=np.int64)
         pos_B = np.zeros(num_rows, dtype=np.int64)
-        table_BN = np.full((num_rows, num_blocks), self.scratch_block, dtype=np.int64)
         tokens_B[:n] = [s.token_ids[0] for s in batch]
         pos_B[:n] = [s.start for s in batch]
+        table_BN = self._block_tables(batch, num_rows, num_blocks)
+        return torch.from_numpy(tokens_B), torch.from_numpy(pos_B), torch.from_numpy(table_BN)
+
+    def _block_tables(self, batch: list[SeqInput], num_rows: int, num_blocks: int) -> np.ndarray:
+        """Each row's block table cut or padded (scratch block) to `num_blocks` columns,
+        `[num_rows, num_blocks]`; rows past the batch are all scratch."""
+        table_BN = np.full((num_rows, num_blocks), self.scratch_block, dtype=np.int64)
         for i, s in enumerate(batch):
             row = s.block_table[:num_blocks]
             table_BN[i, : len(row)] = row
-        return torch.from_numpy(tokens_B), torch.from_numpy(pos_B), torch.from_numpy(table_BN)
+        return table_BN
 
     def _decode(self, batch: list[SeqInput]) -> torch.Tensor:
         num_blocks = max(s.start // self.block_size + 1 for s in batch)
@@ -343,10 +349,7 @@ class ModelRunner:
         offset_M = np.arange(M) - np.repeat(ends_R - lens_R, lens_R)
         pos_M = np.zeros(num_tokens, dtype=np.int64)
         pos_M[:M] = np.repeat([s.start for s in batch], lens_R) + offset_M
-        table_RN = np.full((len(batch), num_blocks), self.scratch_block, dtype=np.int64)
-        for i, s in enumerate(batch):
-            row = s.block_table[:num_blocks]
-            table_RN[i, : len(row)] = row
+        table_RN = self._block_tables(batch, len(batch), num_blocks)
         table_MN = np.full((num_tokens, num_blocks), self.scratch_block, dtype=np.int64)
         table_MN[:M] = np.repeat(table_RN, lens_R, axis=0)
         last_R = np.zeros(num_rows, dtype=np.int64)

@@ -67,8 +67,8 @@ class Request:
     version_min: int | None = None
     version_max: int | None = None
     finished: bool = False
-    """Set by the engine thread when it gives the request's blocks back (its future is
-    resolved later, on the caller's loop)."""
+    """Set when the scheduler gives the request's blocks back (`Scheduler.finish`); its
+    future is resolved later, on the caller's loop."""
 
     def is_over(self) -> bool:
         """Finished, or given up by its caller."""
@@ -230,8 +230,10 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def finish(self, request: Request) -> None:
+        """The request is over (finished or cancelled): its blocks go back."""
         self.running.remove(request)
         self.blocks.free(request.block_table)
+        request.finished = True
 
     def weights_changed(self, version: int, *, recompute: bool) -> None:
         """The next forward computes with new weights (see the module docstring)."""
