@@ -39,8 +39,8 @@ DEFAULT_CONFIG = "train_configs/alphabet_sort_qwen3_0.6b.toml"
 SMOKE_CONFIG = "train_configs/alphabet_sort_tiny.toml"
 SMOKE_SET = ["parallelism.device=cpu", "parallelism.cpu_threads_per_proc=1", "env.max_turns=3",
              "rollout.max_tokens=8", "generator.max_num_seqs=16"]  # fmt: skip
-"""The tiny job on CPU with 3 short turns: ~20 s on the 2-core VM. One thread: with two, a
-busy VM (load 11) made a batch 100x slower (0.27 -> 30 s: the threads wait for each other)."""
+"""The tiny job on CPU with 3 short turns, one thread per process (more threads than cores
+make torch processes wait for each other: docs/benchmarks.md, "Cores, processes")."""
 COLUMNS = {
     "backend": "{}", "rollouts": "{}", "s_per_batch": "{:.3f}", "min_s": "{:.3f}",
     "vs_vllm": "{:.2f}x", "tokens_per_s": "{:,.0f}", "engine_steps": "{:.0f}",

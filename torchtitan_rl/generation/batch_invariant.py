@@ -12,9 +12,8 @@ runs as one packed step (`ModelRunner.packed_step`) in which:
   them (checked for the model's shapes; `tests/test_batch_invariance.py` checks the engine);
 - each token attends over a context width that depends on its own position only (the
   blocks up to it), tokens of equal width in one batched matmul (the batched matmul and
-  softmax treat each batch element alone). Rounding widths up to fewer, wider groups was
-  slower on CPU (4 blocks: 1.9x the engine time of exact widths, 32 blocks: 8x; 64 requests
-  of the tiny model);
+  softmax treat each batch element alone). Rounding widths up to fewer, wider groups is
+  slower on CPU (docs/benchmarks.md, "Batch-invariant CPU steps");
 - a prefill token is computed exactly as a decode token at its position, so keys/values
   in the prefix cache are the bits any other request would have written.
 
@@ -49,10 +48,19 @@ class WidthGroup:
 
 
 def width_groups(
-    pos_M: torch.Tensor, table_MN: torch.Tensor, *, block_size: int, num_kv_heads: int, group: int
+    pos_M: torch.Tensor,
+    table_MN: torch.Tensor,
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    round_to: int = 1,
 ) -> list[WidthGroup]:
-    """The step's tokens grouped by context width (module docstring); built once per step."""
-    width_M = pos_M // block_size + 1
+    """The step's tokens grouped by context width (module docstring); built once per step.
+    `round_to`: widths rounded up to a multiple of this many blocks (fewer, wider groups;
+    scripts/bench_batch_invariance.py compares)."""
+    blocks_M = pos_M // block_size + 1
+    width_M = torch.clamp(-(-blocks_M // round_to) * round_to, max=table_MN.shape[1])
     groups = []
     for width in torch.unique(width_M).tolist():
         idx = (width_M == width).nonzero().squeeze(1)

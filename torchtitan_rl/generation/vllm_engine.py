@@ -184,10 +184,9 @@ def start_vllm_engine(
         sampling_class=VllmSampling,
         features=features,
         cleanup=cleanup_dist_env_and_memory,
-        # The inline driver, measured: on one H200 the threaded one made the loop's request
-        # pattern slower with vLLM (2.18 vs 1.59 s a batch of 64 rollouts, 5.26 vs 4.32 at
-        # 256; docs/benchmarks.md), and on CPU vLLM's attention fails from any thread but
-        # the one that started it (its metadata and kernel disagree on the OpenMP threads).
+        # the inline driver: behind the threaded one the loop's request pattern ran slower
+        # on the GPU (docs/benchmarks.md, "In-loop request pattern"), and on CPU vLLM's
+        # attention fails from a thread other than the one that started it
         threaded=False,
     )
 
