@@ -43,7 +43,7 @@ def drive(config, steps: int, *, validate: bool = False, warm_start: bool = True
             if validate:
                 await controller.validate(steps)
                 validation = controller.last_validation
-            version = await controller.generators[0].policy_version.call_one()
+            version = await controller.fleet.actors[0].policy_version.call_one()
             return Driven(metrics, validation, version, controller.run_dir)
         finally:
             await controller.close()

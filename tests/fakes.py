@@ -328,7 +328,7 @@ async def run_until_a_kill_ends_it(controller, kill, kill_within_s=600.0) -> tup
         if not killer.done():
             ended = "ended" if run.done() else f"was {controller.supervisor.where}"
             pytest.fail(f"the kill did not happen within {kill_within_s:g} s: the run {ended}")
-        sync = controller.weight_sync
+        sync = controller.fleet.weight_sync
         failure_within_s = (
             controller.config.launcher.host_timeout_s + 10.0  # Monarch notices the death
             + supervision.PEER_REPORT_WAIT_S + supervision.NAMED_REPORT_WAIT_S

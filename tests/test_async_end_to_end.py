@@ -33,17 +33,18 @@ def _run(config):
     it updated with the oldest token version of every trained rollout."""
     controller = Controller(config, use_tqdm=False)
     trained = {}
-    train = controller._train
+    train = controller.stage.train
 
-    async def recording_train(groups, step):
+    async def recording_train(trainer, groups):
+        step = controller.start_step + len(trained) + 1  # one call per RL step, in order
         trained[step] = (
             controller.trainer_version,
             [oldest_version(r) for g in groups for r in g.rollouts if not r.status.is_error()],
             sorted(g.sample_index for g in groups),
         )
-        return await train(groups, step)
+        return await train(trainer, groups)
 
-    controller._train = recording_train
+    controller.stage.train = recording_train
 
     async def go():
         try:

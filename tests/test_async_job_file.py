@@ -19,6 +19,7 @@ from fakes import make_completion
 
 from torchtitan_rl.config import load_config
 from torchtitan_rl.controller.ahead import BatchTimeout
+from torchtitan_rl.controller.fleet import Replica
 from torchtitan_rl.controller.loop import Controller
 from torchtitan_rl.rollout.rollouter import CollectedBatch
 from torchtitan_rl.types import Rollout, RolloutGroup, RolloutTurn
@@ -42,9 +43,9 @@ def _controller(tmp_path, ahead: str) -> Controller:
 
 
 class _StuckGenerator:
-    """The generate function as `Controller._activity` asks it what it does."""
+    """The generate function as the fleet asks it what it does."""
 
-    in_flight = 1
+    in_flight = {"0/0/0/0": 0.0}
 
     def activity(self) -> str:
         return "generator: 1 request in flight"
@@ -64,7 +65,7 @@ def _one_step(controller: Controller) -> tuple[list[str], BaseException | None]:
         events.append(f"end {step}")
         return CollectedBatch(groups=[], next_index=0, rounds=1, filtered=[])
 
-    async def train(groups, step):
+    async def train(trainer, groups):
         events.append("train")
         return {"trainer/policy_version": 1}
 
@@ -73,8 +74,9 @@ def _one_step(controller: Controller) -> tuple[list[str], BaseException | None]:
         return 0.0
 
     controller.rollouter.collect_batch = collect_batch
-    controller._train, controller.sync_weights = train, sync_weights
-    controller.generate_fn = _StuckGenerator()
+    controller.stage.train, controller.sync_weights = train, sync_weights
+    stuck_fn = _StuckGenerator()
+    controller.fleet.replicas = [Replica(index=0, name="generator", actor=None, fn=stuck_fn)]
     controller.reporter = type("Reporter", (), {"report": staticmethod(lambda report: {})})
 
     async def go():
@@ -139,7 +141,7 @@ def test_a_step_whose_groups_were_all_dropped_as_stale_says_they_were_too_stale(
     async def collect_batch(step, group_offset, generate_fn, *, draw):
         return CollectedBatch(groups=[group(0), group(1)], next_index=2, rounds=1, filtered=[])
 
-    async def train(groups, step):
+    async def train(trainer, groups):
         assert groups == []  # every group was dropped before packing
         return {}
 
@@ -147,7 +149,7 @@ def test_a_step_whose_groups_were_all_dropped_as_stale_says_they_were_too_stale(
         return 0.0
 
     controller.rollouter.collect_batch = collect_batch
-    controller._train, controller.sync_weights = train, sync_weights
+    controller.stage.train, controller.sync_weights = train, sync_weights
     controller.reporter = type("Reporter", (), {"report": staticmethod(lambda report: {})})
     controller.trainer_version = 3
 

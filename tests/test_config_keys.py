@@ -279,7 +279,7 @@ def test_minibatches_is_the_number_of_optimizer_steps_per_rl_step(tmp_path, mini
     controller.trainer = _Trainer(core)
     batch = asyncio.run(controller.rollouter.collect_batch(1, 0, always("Ann Lee")))
     assert len(batch.groups) == 4
-    asyncio.run(controller._train(batch.groups, 1))
+    asyncio.run(controller.stage.train(controller.trainer, batch.groups))
     ((updates, _),) = controller.trainer.train_step.calls
     assert len(updates) == minibatches
     assert core.policy_version == minibatches
@@ -290,14 +290,14 @@ def test_warm_start_batch_size_is_the_demonstrations_per_step(tmp_path):
 
     controller = _controller(tmp_path, "--warm_start.steps=2", "--warm_start.batch_size=3")
     controller.trainer, controller.metrics = _Trainer(), _NoMetrics()
-    controller.weight_sync = _no_sync
-    packed, pack = [], controller._pack
+    controller.fleet.weight_sync = _no_sync
+    packed, pack = [], controller.stage.pack
 
     def counting_pack(episodes):
         packed.append(len(episodes))
         return pack(episodes)
 
-    controller._pack = counting_pack
+    controller.stage.pack = counting_pack
     asyncio.run(controller.warm_start())
     assert packed == [3, 3]
     sequences = [b[0][0].num_global_sequences for b, _ in controller.trainer.sft_step.calls]
@@ -326,9 +326,9 @@ def test_validation_num_samples_and_max_tokens_shape_the_greedy_requests(tmp_pat
         tmp_path, "--warm_start.steps=0", "--validation.num_samples=5",
         "--validation.max_tokens=7",
     )  # fmt: skip
-    controller.generate_fn, controller.metrics = always("Ann"), _NoMetrics()
+    controller.fleet.generate_fn, controller.metrics = always("Ann"), _NoMetrics()
     asyncio.run(controller.validate(0))
-    calls = controller.generate_fn.calls
+    calls = controller.fleet.generate_fn.calls
     assert len(calls) == 5
     assert {c.sampling.max_tokens for c in calls} == {7}
     assert {c.sampling.temperature for c in calls} == {0.0}
@@ -341,11 +341,11 @@ def test_rollout_stop_ends_the_greedy_validation_turns_too(tmp_path):
     from fakes import always
 
     controller = _controller(tmp_path, "--warm_start.steps=0", '--rollout.stop=["</answer>"]')
-    controller.generate_fn, controller.metrics = always("Ann"), _NoMetrics()
+    controller.fleet.generate_fn, controller.metrics = always("Ann"), _NoMetrics()
     asyncio.run(controller.validate(0))
     want = (controller.renderer.stop_sequence("</answer>"),)
     assert len(want[0]) > 1 and {
-        c.sampling.stop_sequences for c in controller.generate_fn.calls
+        c.sampling.stop_sequences for c in controller.fleet.generate_fn.calls
     } == {want}
 
 

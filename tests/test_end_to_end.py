@@ -80,7 +80,7 @@ async def _scenario(config):
         prompt = controller.renderer.render_prompt(
             [{"role": "user", "content": "Sort these names: Ann Lee, Bo Yu"}]
         )
-        completion = await controller.generate_fn(
+        completion = await controller.fleet.generate_fn(
             prompt, request_id="check", sampling=SamplingParams(max_tokens=12, seed=5)
         )
         ids = np.concatenate([prompt, completion.token_ids_N]).astype(np.int32)
@@ -98,9 +98,9 @@ async def _scenario(config):
             pad_id=0,
         )
         trainer_lp = (await controller.trainer.logprobs.call(batches[0][0], 1.0)).values()
-        generator_versions = [await g.policy_version.call_one() for g in controller.generators]
-        routed = list(controller.router.routed)
-        sessions_left = dict(controller.router.sessions)
+        generator_versions = [await g.policy_version.call_one() for g in controller.fleet.actors]
+        routed = list(controller.fleet.router.routed)
+        sessions_left = dict(controller.fleet.router.sessions)
         return dict(
             v0=v0,
             v1=v1,

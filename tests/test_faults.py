@@ -163,7 +163,7 @@ def test_killed_generator_ends_the_run_with_a_clear_error(tmp_path):
         store = CheckpointStore(controller.run_dir, keep_latest=2)
         while store.latest() is None:
             await asyncio.sleep(0.2)
-        pid = await controller.generators[0].pid.call_one()
+        pid = await controller.fleet.actors[0].pid.call_one()
         os.kill(pid, signal.SIGKILL)
         return time.perf_counter()
 

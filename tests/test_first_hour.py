@@ -171,7 +171,7 @@ def test_another_environment_does_not_resume_this_ones_run(tmp_path, monkeypatch
 def test_a_finished_run_is_complete_before_anything_starts(tmp_path):
     _run_with_checkpoint(tmp_path, 800)
     controller = Controller(load_config(TINY, [f"--job.output_dir={tmp_path}"]), use_tqdm=False)
-    assert controller.completed_step() == controller.last_step() == 800
+    assert controller.completed_step() == controller.config.training.last_step == 800
 
 
 def test_tensorboard_opens_a_dashboard_of_the_main_curves(tmp_path):

@@ -61,7 +61,7 @@ async def _scenario(config):
         await controller.warm_start()
         pids = [
             *(await controller.trainer.pid.call()).values(),
-            await controller.generators[0].pid.call_one(),
+            await controller.fleet.actors[0].pid.call_one(),
         ]
         job = controller.meshes.job
         pids += [p.pid for p in job._host_to_pid.values()] if job is not None else []
@@ -69,15 +69,15 @@ async def _scenario(config):
             steps.append(await controller.rl_step(step))
             out = await controller.trainer.full_weights.call("float32")  # torch's own gather
             trainer = [w for w in out.values() if w is not None][0]
-            generator = await controller.generators[0].weights.call_one()
+            generator = await controller.fleet.actors[0].weights.call_one()
             assert sorted(generator) == sorted(trainer)
             equal.append([k for k in trainer if not torch.equal(trainer[k], generator[k])])
         return dict(
             steps=steps,
             differ=equal,
-            transport=controller.weight_sync.transport,
+            transport=controller.fleet.weight_sync.transport,
             hosts=dict(controller.meshes.hosts),
-            version=await controller.generators[0].policy_version.call_one(),
+            version=await controller.fleet.actors[0].policy_version.call_one(),
         )
     finally:
         await controller.close()
@@ -141,15 +141,15 @@ def test_replicas_spread_over_generator_hosts_and_each_gets_the_broadcast(tmp_pa
             await controller.rl_step(1)
             out = await controller.trainer.full_weights.call("float32")
             trainer = [w for w in out.values() if w is not None][0]
-            replicas = [await g.weights.call_one() for g in controller.generators]
+            replicas = [await g.weights.call_one() for g in controller.fleet.actors]
             return dict(
                 hosts=dict(controller.meshes.hosts),
-                transport=controller.weight_sync.transport,
-                routed=list(controller.router.routed),
+                transport=controller.fleet.weight_sync.transport,
+                routed=list(controller.fleet.router.routed),
                 differ=[
                     [k for k in trainer if not torch.equal(trainer[k], w[k])] for w in replicas
                 ],
-                versions=[await g.policy_version.call_one() for g in controller.generators],
+                versions=[await g.policy_version.call_one() for g in controller.fleet.actors],
             )
         finally:
             await controller.close()

@@ -46,7 +46,7 @@ def test_a_dead_generator_host_ends_the_run_with_one_line_naming_it(tmp_path):
         hosts = controller.meshes.job._host_to_pid
         pids.extend(p.pid for p in hosts.values())
         pids.extend((await controller.trainer.pid.call()).values())
-        pids.append(await controller.generators[0].pid.call_one())
+        pids.append(await controller.fleet.actors[0].pid.call_one())
         assert _kill_host(hosts["generator_0"].pid)
         return time.perf_counter()
 

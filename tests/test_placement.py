@@ -11,7 +11,7 @@ import pytest
 from torchtitan_rl.config import load_config
 from torchtitan_rl.config.job import ParallelismConfig
 from torchtitan_rl.controller.placement import Placement, place, plan
-from torchtitan_rl.controller.processes import process_lines, record_processes
+from torchtitan_rl.controller.processes import process_lines, write_processes
 
 
 @pytest.mark.parametrize(
@@ -97,7 +97,7 @@ def test_the_summary_lists_each_process_and_its_gpu(tmp_path):
         {"role": "generator", "rank": 0, "host": "h", "pid": 12, "device": "cuda:0", "gpu": 1,
          "uuid": "GPU-bbb", "peak_reserved_gib": 52.81},
     ]  # fmt: skip
-    record_processes(tmp_path, processes)
+    write_processes(tmp_path, processes)
     assert json.loads((tmp_path / "processes.json").read_text()) == processes
     lines = process_lines(tmp_path)
     assert lines[0].startswith("procs    trainer rank 0") and "GPU 0 GPU-aaa" in lines[0]

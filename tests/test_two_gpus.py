@@ -115,11 +115,11 @@ def test_three_rl_steps_on_two_gpus_hold_the_trainer_weights_bit_for_bit(
                 m = await controller.rl_step(step)
                 out = await controller.trainer.full_weights.call("bfloat16")
                 trainer = [w for w in out.values() if w is not None][0]
-                held = await controller.generators[0].weights.call_one()
-                version = await controller.generators[0].policy_version.call_one()
+                held = await controller.fleet.actors[0].weights.call_one()
+                version = await controller.fleet.actors[0].policy_version.call_one()
                 compared = assert_same_weights(held, expected_weights(trainer, backend, args))
                 checks.append((m["trainer/policy_version"], version, compared))
-            return checks, controller.weight_sync.transport
+            return checks, controller.fleet.weight_sync.transport
         finally:
             await controller.close()
 
@@ -130,7 +130,9 @@ def test_three_rl_steps_on_two_gpus_hold_the_trainer_weights_bit_for_bit(
     if transport == "auto":
         assert chosen is WeightTransport.CUDA_IPC
     else:
-        assert chosen is WeightTransport.BROADCAST and controller.weight_sync.backend == "nccl"
+        assert (
+            chosen is WeightTransport.BROADCAST and controller.fleet.weight_sync.backend == "nccl"
+        )
     assert [(p, v) for p, v, _ in checks] == [(3, 3), (4, 4), (5, 5)]
     processes = json.loads((controller.run_dir / "processes.json").read_text())
     uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(2)]
@@ -178,9 +180,9 @@ def test_a_dead_generator_in_an_nccl_weight_group_ends_the_run_in_seconds(tmp_pa
         store = CheckpointStore(controller.run_dir, keep_latest=2)
         while store.latest() is None:
             await asyncio.sleep(0.1)
-        assert controller.weight_sync.backend == "nccl"
+        assert controller.fleet.weight_sync.backend == "nccl"
         pids.extend((await controller.trainer.pid.call()).values())
-        generator = await controller.generators[0].pid.call_one()
+        generator = await controller.fleet.actors[0].pid.call_one()
         pids.append(generator)
         os.kill(generator, signal.SIGKILL)
         return time.perf_counter()

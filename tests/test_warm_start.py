@@ -27,7 +27,7 @@ def _run_warm_start(tmp_path, losses, *overrides):
     trainer.sft_step = _Endpoint()  # `call` records a step before answering it
     calls = trainer.sft_step.calls
     trainer.sft_step.fn = lambda batches, ws: {"warm_start/loss": losses[len(calls) - 1]}
-    controller.trainer, controller.metrics, controller.weight_sync = trainer, logged, _no_sync
+    controller.trainer, controller.metrics, controller.fleet.weight_sync = trainer, logged, _no_sync
     asyncio.run(controller.warm_start())
     return len(calls), logged.entries, trainer.end_warm_start.calls
 

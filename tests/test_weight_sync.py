@@ -438,10 +438,10 @@ async def _ipc_scenario(config):
         # reference: torch's full state dict, not our packing path
         out = await controller.trainer.full_weights.call(config.generator.dtype)
         return dict(
-            transport=controller.weight_sync.transport,
+            transport=controller.fleet.weight_sync.transport,
             trainer=[w for w in out.values() if w is not None][0],
-            generators=[await g.weights.call_one() for g in controller.generators],
-            versions=[await g.policy_version.call_one() for g in controller.generators],
+            generators=[await g.weights.call_one() for g in controller.fleet.actors],
+            versions=[await g.policy_version.call_one() for g in controller.fleet.actors],
         )
     finally:
         await controller.close()

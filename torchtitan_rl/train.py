@@ -102,7 +102,7 @@ def _train(config, debug: bool) -> int:
         check_machine(config)  # GPUs, cores, sbatch, the output folder
         controller = Controller(config)
         done = controller.completed_step()
-        if done >= controller.last_step():
+        if done >= controller.config.training.last_step:
             print(f"already complete: {controller.run_dir} holds the checkpoint of RL step {done}")
             return 0
         controller.check_resume()

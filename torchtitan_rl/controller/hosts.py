@@ -128,12 +128,10 @@ async def launch_job(config: Config, replicas: int, job=None) -> Meshes:
     try:
         trainer = getattr(state, TRAINER).spawn_procs(per_host={kind: per_host})
         generator_hosts = getattr(state, GENERATOR)
-        generators = [
-            generator_hosts.slice(hosts=i % launcher.generator_hosts).spawn_procs(
-                per_host={kind: 1}
-            )
-            for i in range(replicas)
+        replica_hosts = [
+            generator_hosts.slice(hosts=i % launcher.generator_hosts) for i in range(replicas)
         ]
+        generators = [host.spawn_procs(per_host={kind: 1}) for host in replica_hosts]
         await setup_torch_elastic_env_async(trainer)  # one world over every trainer host
     except BaseException:
         _kill(job)
@@ -156,7 +154,10 @@ async def launch_job(config: Config, replicas: int, job=None) -> Meshes:
         if kind == "gpus"
         else Placement()
     )
-    return Meshes(trainer=trainer, generators=generators, job=job, hosts=hosts, placement=placement)
+    return Meshes(
+        trainer=trainer, generators=generators, job=job, hosts=hosts, placement=placement,
+        generator_hosts=replica_hosts, proc_kind=kind,
+    )  # fmt: skip
 
 
 async def launch(config: Config, replicas: int) -> Meshes:

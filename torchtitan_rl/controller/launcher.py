@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 
 from torchtitan_rl.actors.generator import GeneratorActor
@@ -21,50 +20,10 @@ from torchtitan_rl.actors.trainer import TrainerActor
 from torchtitan_rl.config import Config
 from torchtitan_rl.config.job import ParallelismConfig
 from torchtitan_rl.controller.placement import Placement, plan
-from torchtitan_rl.controller.supervision import SupervisionError
 from torchtitan_rl.generation.backends import Backend
 from torchtitan_rl.losses.corrections import BEHAVIOUR_WEIGHT_CAP, trainer_correction
-from torchtitan_rl.types import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class ActorGenerateFn:
-    """GenerateFn over a generator actor; None when the actor cannot be reached. Keeps the
-    calls in flight, so a step that waits too long can say what the generator is doing."""
-
-    def __init__(self, generator, name: str = "generator"):
-        self.generator = generator
-        self.name = name
-        self.in_flight: dict[str, float] = {}
-        """{request_id: when it was sent} of calls not answered yet."""
-
-    async def __call__(self, prompt_ids, *, request_id, session_id=None, sampling=None):
-        sampling = sampling or SamplingParams()
-        self.in_flight[request_id] = time.perf_counter()
-        try:
-            return await self.generator.generate.call_one(
-                prompt_ids, request_id, session_id, sampling
-            )
-        except SupervisionError:  # the process died: the Supervisor ends the run
-            logger.debug("generate %s: generator died", request_id)
-            return None
-        except Exception as e:  # the call failed: the rollout becomes a generator error
-            logger.warning("generate %s failed: %s", request_id, e)
-            return None
-        finally:
-            self.in_flight.pop(request_id, None)
-
-    def activity(self) -> str:
-        """One phrase: how many requests are in flight and the oldest of them."""
-        if not self.in_flight:
-            return f"{self.name}: no request in flight"
-        oldest = min(self.in_flight, key=self.in_flight.get)
-        age = time.perf_counter() - self.in_flight[oldest]
-        return (
-            f"{self.name}: {len(self.in_flight)} requests in flight, the oldest ({oldest}) "
-            f"for {age:.0f} s"
-        )
 
 
 STOP_TIMEOUT_S = 10.0
@@ -85,9 +44,21 @@ class Meshes:
     """The GPU of each trainer rank and generator replica (empty on CPU)."""
     job: object | None = None
     hosts: dict[str, list[str]] = field(default_factory=dict)
+    generator_hosts: list = field(default_factory=list)
+    """The host mesh each generator replica's process was spawned on (a restart spawns the
+    replica's new process there)."""
+    proc_kind: str = "procs"
+    """The per-host dimension processes are spawned over: "gpus" or "procs"."""
 
     def all(self) -> list:
         return [self.trainer, *self.generators]
+
+    def respawn_generator(self, index: int):
+        """A new process for generator replica `index`, on the host its old one ran on;
+        replaces it in `generators` and returns it."""
+        mesh = self.generator_hosts[index].spawn_procs(per_host={self.proc_kind: 1})
+        self.generators[index] = mesh
+        return mesh
 
 
 async def launch_local(
@@ -106,7 +77,10 @@ async def launch_local(
     trainer = host.spawn_procs(per_host={kind: parallelism.trainer_procs})
     generators = [host.spawn_procs(per_host={kind: 1}) for _ in range(replicas)]
     await setup_torch_elastic_env_async(trainer)
-    return Meshes(trainer=trainer, generators=generators, placement=placement)
+    return Meshes(
+        trainer=trainer, generators=generators, placement=placement,
+        generator_hosts=[host] * replicas, proc_kind=kind,
+    )  # fmt: skip
 
 
 def spawn_trainer(
@@ -142,28 +116,45 @@ def spawn_trainer(
     )
 
 
+def spawn_generator(
+    mesh, name: str, config: Config, *, vocab_size: int, log_dir: str, hf_folder: str,
+    gpu: int | None = None,
+) -> GeneratorActor:  # fmt: skip
+    """The generator actor of one replica on `mesh` (one process), named `name` (the name
+    the Supervisor reports), computing on GPU `gpu` (None: GPU 0 when there is one)."""
+    cfg = config
+    return mesh.spawn(
+        name,
+        GeneratorActor,
+        model=cfg.model,
+        engine=cfg.generator,
+        vocab_size=vocab_size,
+        device=cfg.parallelism.device,
+        cpu_threads=_threads(cfg),
+        actor_name=name,
+        log_dir=log_dir,
+        hf_folder=hf_folder,
+        gpu=gpu,
+    )
+
+
 def spawn_generators(
     meshes: list, names: list[str], config: Config, *, vocab_size: int, log_dir: str,
     hf_folder: str, placement: Placement | None = None,
 ) -> list[GeneratorActor]:  # fmt: skip
-    """One generator actor per mesh, named `names[i]` (the names the Supervisor reports),
-    replica i on the GPU `placement` gives it (None or CPU: GPU 0 when there is one)."""
+    """One generator actor per mesh, named `names[i]`, replica i on the GPU `placement`
+    gives it."""
     placement = placement or Placement()
-    cfg = config
     return [
-        mesh.spawn(
+        spawn_generator(
+            mesh,
             name,
-            GeneratorActor,
-            model=cfg.model,
-            engine=cfg.generator,
+            config,
             vocab_size=vocab_size,
-            device=cfg.parallelism.device,
-            cpu_threads=_threads(cfg),
-            actor_name=name,
             log_dir=log_dir,
             hf_folder=hf_folder,
             gpu=placement.generators[i] if placement.gpus else None,
-        )
+        )  # fmt: skip
         for i, (name, mesh) in enumerate(zip(names, meshes, strict=True))
     ]
 

@@ -39,7 +39,16 @@ def describe(where: dict) -> str:
     return line
 
 
-def record_processes(run_dir: Path, processes: list[dict]) -> None:
+async def record_processes(run_dir: Path, trainer, generators) -> list[tuple[dict, int]]:
+    """Ask every process where it computes, log each one's line and keep the list in the run
+    folder for the summary; returns those on this host with their start times
+    (`on_this_machine`)."""
+    processes = await ask_processes(trainer, generators)
+    write_processes(run_dir, processes)
+    return on_this_machine(processes)
+
+
+def write_processes(run_dir: Path, processes: list[dict]) -> None:
     """Log each process's line and keep the list in the run folder for the summary."""
     for where in processes:
         logger.info("process: %s", describe(where))

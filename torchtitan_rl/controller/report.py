@@ -38,6 +38,8 @@ class StepReport:
     """Since the last step: seconds no batch was generating (waiting for weights or room)."""
     step_seconds: float
     """Wall time of the whole step, waiting for the batch to the end of the weight sync."""
+    generators: dict[str, float]
+    """The fleet's scalars: generator/replicas_alive, generator/requests_rerouted."""
 
     def generated_tokens(self) -> int:
         """Tokens the generators sampled for the trained groups."""
@@ -54,6 +56,7 @@ class StepReport:
             **staleness_metrics(self.batch.groups, version=self.version),
             "rollout/dropped_stale": float(sum(len(g.rollouts) for g in self.batch.stale)),
             **self.train,
+            **self.generators,
             "perf/sync_seconds": self.sync_seconds,
             "perf/step_seconds": self.step_seconds,
             "perf/generate_seconds": self.generate_seconds,

@@ -7,6 +7,7 @@ module decides what goes into one and what a resume may change.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import shutil
 from pathlib import Path
@@ -31,6 +32,9 @@ RESUME_FROZEN = {
 """Config keys (or key prefixes) a resume cannot change, each with why: the weights have that
 model's shape; a policy trained on one environment would go on to train on another in the
 same run and TensorBoard curves, its warm start skipped."""
+
+
+logger = logging.getLogger(__name__)
 
 
 def config_changes(saved: dict, config: Config) -> list[str]:
@@ -75,6 +79,30 @@ def check_resume(store: CheckpointStore, config: Config) -> list[str]:
     return changes
 
 
+def open_run(
+    store: CheckpointStore, config: Config, run_dir: Path
+) -> tuple[Path | None, ControllerState | None]:
+    """The run folder made ready (the run's lock held): damaged checkpoints set aside,
+    temporary files cleaned, and an earlier run that left no checkpoint cleared; logs
+    whether the run starts fresh or resumes (and what changed since). Returns the latest
+    complete checkpoint and its state (None, None for a fresh run)."""
+    changes = check_resume(store, config)
+    for path, problem in store.set_aside_damaged():
+        logger.warning("checkpoint damaged: %s; moved it to %s", problem, path)
+    store.clean_temp()
+    latest = store.latest()
+    state = CheckpointStore.load_state(latest) if latest else None
+    if state is None:
+        cleared = clear_earlier_run(run_dir)
+        said = f" (deleted {', '.join(cleared)} of an earlier run that left no checkpoint)"
+        logger.warning("starting fresh in %s%s", run_dir, said if cleared else "")
+        return None, None
+    logger.warning("resuming %s after RL step %d (%s)", run_dir, state.step, latest)
+    for change in changes:
+        logger.warning("  changed since that checkpoint: %s", change)
+    return latest, state
+
+
 async def restore(trainer, folder: Path, state: ControllerState) -> None:
     """Load the trainer's shards of `folder` on every rank and the global RNGs; the caller
     takes the rest of `state` (data position, last validation, summary series)."""
@@ -82,18 +110,25 @@ async def restore(trainer, folder: Path, state: ControllerState) -> None:
     state.restore_rngs()
 
 
+async def export_hf(trainer, config: Config, folder: Path) -> None:
+    """The trainer's policy as a Hugging Face folder (checkpoint.export_dtype)."""
+    await trainer.export_hf.call(
+        str(folder), config.model.hf_checkpoint, config.checkpoint.export_dtype
+    )
+
+
 async def save(
-    store: CheckpointStore, trainer, config: Config, step: int, *, capture, export_hf,
+    store: CheckpointStore, trainer, config: Config, step: int, *, capture,
     pending: dict[int, CollectedBatch] | None = None,
 ) -> Path:  # fmt: skip
-    """Trainer ranks write their shards, `export_hf(folder)` the Hugging Face copy when the
+    """Trainer ranks write their shards, `export_hf` the Hugging Face copy when the
     config asks for one, the controller the batches generated ahead (`pending`, by step) and
     the JSON of `capture()` (taken last, so it holds the RNG states after everything else);
     then one rename makes it complete."""
     tmp = store.begin(step)
     await trainer.save_checkpoint.call(str(tmp / "trainer"))
     if config.checkpoint.export_hf:
-        await export_hf(tmp / "hf")
+        await export_hf(trainer, config, tmp / "hf")
     if pending:
         (tmp / PENDING).write_bytes(pickle.dumps(pending, protocol=pickle.HIGHEST_PROTOCOL))
     return store.commit(tmp, step, capture(), to_toml(config))

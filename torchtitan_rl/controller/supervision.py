@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -126,6 +126,14 @@ class Supervisor:
         self.hosts: dict[str, list[str]] = {}
         """{actor name: host of each rank}, when the meshes span several hosts."""
         self.where = "at start-up"
+        self.survive: Callable[[str], bool] | None = None
+        """Asked on the event loop with the name of an actor of ours that died: True when the
+        run carries on without it (a generator replica the fleet restarts,
+        controller/fleet.py); its report, and the reports naming none of ours that came with
+        it, are then set aside in `survived`."""
+        self.survived: list[str] = []
+        self.fatal: ActorFailure | None = None
+        """Set by `stop_run`: the line a run that cannot go on ends with."""
         self._failed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._previous_hook = None
@@ -146,10 +154,27 @@ class Supervisor:
 
     def _on_failure(self, failure) -> None:
         """Runs on a Monarch thread; returning normally marks the failure handled."""
-        self.reports.append(failure.report())
+        report = failure.report()
+        self.reports.append(report)
         assert self._loop is not None
         if not self._loop.is_closed():  # a late report after the run ended needs no wake-up
-            self._loop.call_soon_threadsafe(self._failed.set)
+            self._loop.call_soon_threadsafe(self._sort, report)
+
+    def _sort(self, report: str) -> None:
+        """On the event loop: a report of a death the run survives is set aside, with the
+        reports naming none of ours so far (Monarch's own actors on the same process);
+        either way the watch wakes to look."""
+        ours = _our_actor(report, self.names)
+        if ours is not None and self.survive is not None and self.survive(ours[0]):
+            aside = [r for r in self.reports if r is report or _our_actor(r, self.names) is None]
+            self.survived.extend(aside)
+            self.reports = [r for r in self.reports if not any(r is a for a in aside)]
+        self._failed.set()
+
+    def stop_run(self, line: str) -> None:
+        """End the run with `line` (e.g. every generator replica down for too long)."""
+        self.fatal = ActorFailure(line)
+        self._failed.set()
 
     def _named_reports(self) -> list[str]:
         return [r for r in self.reports if _our_actor(r, self.names) is not None]
@@ -165,7 +190,7 @@ class Supervisor:
         logger, may report the same death first), or `timeout` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while not self._named_reports() and loop.time() < deadline:
+        while self.reports and not self._named_reports() and loop.time() < deadline:
             self._failed.clear()  # set again by the next report
             if self._named_reports():
                 break
@@ -203,31 +228,50 @@ class Supervisor:
     async def watch(self, awaitable: Awaitable[T]) -> T:
         """Await `awaitable`, but end with ActorFailure soon after any process dies: within
         FAILURE_GRACE_S of the report naming the dead actor, or NAMED_REPORT_WAIT_S after a
-        report that names none of ours when no report naming ours follows."""
+        report that names none of ours when no report naming ours follows. A death the run
+        survives (`survive`) wakes it only to look."""
         task = asyncio.ensure_future(awaitable)
-        failed = asyncio.ensure_future(self._failed.wait())
         try:
-            done, _ = await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
-            if task not in done:  # give the call a moment to fail with its own message
-                await asyncio.wait({task}, timeout=FAILURE_GRACE_S)
-            if task.done():
-                error = None if task.cancelled() else task.exception()
-                if isinstance(error, BroadcastBroken):
-                    await self._wait_for_named_report(PEER_REPORT_WAIT_S)
-                if isinstance(error, BroadcastBroken) and self.reports:
-                    raise self.failure() from error  # the death that broke it, named
-                if error is not None:
-                    translated = self.translate(error)
-                    if translated is error:
-                        raise error
-                    if isinstance(translated, ActorFailure) and translated.actor is None:
-                        # Monarch's own actors on that process may speak first; ours follows
-                        translated = await self._named_failure() or translated
-                    raise translated from error
-                return task.result()
-            task.cancel()
-            raise await self._named_failure() or self.failure()
+            while True:
+                failed = asyncio.ensure_future(self._failed.wait())
+                try:
+                    done, _ = await asyncio.wait(
+                        {task, failed}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    failed.cancel()
+                if task not in done and self.fatal is None and not self.reports:
+                    self._failed.clear()  # every report so far was of a survived death
+                    continue
+                if task not in done and self.fatal is None:
+                    # give the call a moment to fail with its own message
+                    await asyncio.wait({task}, timeout=FAILURE_GRACE_S)
+                if task.done():
+                    return await self._result(task)
+                if self.fatal is not None:
+                    raise self.fatal
+                failure = await self._named_failure()
+                if failure is None and not self.reports:
+                    self._failed.clear()  # the report that names ours said it is survived
+                    continue
+                raise failure or self.failure()
         finally:
-            failed.cancel()
             if not task.done():
                 task.cancel()
+
+    async def _result(self, task: asyncio.Future) -> T:
+        """The finished task's result, or its error as ActorFailure when it was a death."""
+        error = None if task.cancelled() else task.exception()
+        if isinstance(error, BroadcastBroken):
+            await self._wait_for_named_report(PEER_REPORT_WAIT_S)
+        if isinstance(error, BroadcastBroken) and self.reports:
+            raise self.failure() from error  # the death that broke it, named
+        if error is not None:
+            translated = self.translate(error)
+            if translated is error:
+                raise error
+            if isinstance(translated, ActorFailure) and translated.actor is None:
+                # Monarch's own actors on that process may speak first; ours follows
+                translated = await self._named_failure() or translated
+            raise translated from error
+        return task.result()

@@ -24,6 +24,8 @@ from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 WeightSyncMode = Literal["hot_swap", "drain"]
 DecodeAttention = Literal["auto", "gather", "triton"]
 WEIGHT_SYNC_MODES = get_args(WeightSyncMode)
+ReplicaDeath = Literal["restart", "stop"]
+REPLICA_DEATHS = get_args(ReplicaDeath)
 BACKEND_NAMES = get_args(Backend)
 DECODE_ATTENTION = get_args(DecodeAttention)
 """Native decode attention: "gather" (blocks gathered, batched matmuls; any device), "triton"
@@ -42,6 +44,13 @@ class EngineConfig:
     num_replicas: int = 1
     """Generator replicas (each its own process and engine) behind a session-affine router;
     weights are pushed to all of them after every step."""
+    on_replica_death: ReplicaDeath = "restart"
+    """With num_replicas >= 2, what a replica's death does (controller/fleet.py): "restart"
+    (its requests go to the live replicas; it is restarted and rejoins at the next weight
+    sync) | "stop" (the run ends with one line). With one replica a death ends the run."""
+    replicas_down_timeout_s: float = 600.0
+    """With "restart": the run stops with one line once every replica has been down this
+    long (> 0)."""
     max_num_seqs: int = 64
     """Concurrent sequences in the running batch, >= 1."""
     max_seq_len: int = 1024
@@ -76,6 +85,12 @@ class EngineConfig:
     def validate(self) -> None:
         for name in ("num_replicas", "max_num_seqs"):
             check_range(f"generator.{name}", getattr(self, name), ge=1)
+        check_range("generator.replicas_down_timeout_s", self.replicas_down_timeout_s, gt=0)
+        if self.on_replica_death not in REPLICA_DEATHS:
+            raise ValueError(
+                f"generator.on_replica_death must be one of {REPLICA_DEATHS}, "
+                f"got {self.on_replica_death!r}"
+            )
         check_range("generator.block_size", self.block_size, ge=0)
         check_range("generator.max_seq_len", self.max_seq_len, ge=2)
         if self.dtype not in DTYPES:

@@ -18,18 +18,31 @@ outstanding work, in tokens:
   sessions happen to be between turns, and it then carries the long tail alone.
 
 Ties go to the replica that has served fewest calls (`routed`), then the lowest index, so
-placement is deterministic. The Rollouter ends each session when its rollout ends
+placement is deterministic.
+
+A replica whose process died raises `ReplicaDown` from its GenerateFn. The router marks it
+down (`on_down` tells its owner, controller/fleet.py, which restarts it), moves the call to
+the least loaded replica that is up, and counts it in `rerouted`; sessions stuck to a down
+replica are placed afresh at their next turn. A call is safe to repeat: it carries its whole
+context and its own seed, and a replica gives a request the same tokens whatever else it
+serves (generation/batch_invariant.py). With no replica up, calls wait for one (`set_up`). The Rollouter ends each session when its rollout ends
 (`end_session`), so `sessions` holds the live rollouts only, however many steps run ahead
 (rollout.max_staleness) or overlap.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from torchtitan_rl.types import Completion, GenerateFn, SamplingParams
+
+
+class ReplicaDown(RuntimeError):
+    """Raised by a replica's GenerateFn when its process is gone: the call never ran there
+    to the end and may be sent elsewhere."""
 
 
 def call_cost(prompt_ids: np.ndarray, sampling: SamplingParams | None) -> int:
@@ -40,10 +53,20 @@ def call_cost(prompt_ids: np.ndarray, sampling: SamplingParams | None) -> int:
 class Router:
     """A GenerateFn over `replicas` (GenerateFns, e.g. one per generator actor)."""
 
-    def __init__(self, replicas: Sequence[GenerateFn]):
+    def __init__(
+        self, replicas: Sequence[GenerateFn], on_down: Callable[[int], None] | None = None
+    ):
         if not replicas:
             raise ValueError("Router needs at least one replica")
         self.replicas = list(replicas)
+        self.on_down = on_down
+        """Told the index of a replica that raised ReplicaDown (once per death)."""
+        self.down: set[int] = set()
+        """Replicas that take no calls (dead, or restarted and not yet given weights)."""
+        self.rerouted = 0
+        """Calls moved to another replica because theirs went down, since the start."""
+        self._any_up = asyncio.Event()
+        self._any_up.set()
         self.inflight = [0] * len(replicas)
         """Calls in flight per replica."""
         self.outstanding_tokens = [0] * len(replicas)
@@ -62,12 +85,29 @@ class Router:
         return self.outstanding_tokens[index] + self.idle_tokens[index]
 
     def pick(self, session_id: str | None) -> int:
+        """The replica for a call: its session's, else the least loaded one that is up."""
         if session_id is not None and session_id in self.sessions:
-            return self.sessions[session_id]
-        index = min(range(len(self.replicas)), key=lambda i: (self.load(i), self.routed[i], i))
+            index = self.sessions[session_id]
+            if index not in self.down:
+                return index
+            self.end_session(session_id)  # its replica went down: placed afresh
+        up = [i for i in range(len(self.replicas)) if i not in self.down]
+        assert up, "pick needs a replica that is up"
+        index = min(up, key=lambda i: (self.load(i), self.routed[i], i))
         if session_id is not None:
             self.sessions[session_id] = index
         return index
+
+    def set_down(self, index: int) -> None:
+        """Take no more calls on `index` (its calls in flight fail with ReplicaDown)."""
+        self.down.add(index)
+        if len(self.down) == len(self.replicas):
+            self._any_up.clear()
+
+    def set_up(self, index: int) -> None:
+        """`index` takes calls again (a restarted replica that holds the current weights)."""
+        self.down.discard(index)
+        self._any_up.set()
 
     def end_session(self, session_id: str) -> None:
         """The session's rollout is over: forget its replica (a later session with the same
@@ -99,12 +139,20 @@ class Router:
         session_id: str | None = None,
         sampling: SamplingParams | None = None,
     ) -> Completion | None:
-        index = self.pick(session_id)
         cost = call_cost(prompt_ids, sampling)
-        self._start(index, session_id, cost)
-        try:
-            return await self.replicas[index](
-                prompt_ids, request_id=request_id, session_id=session_id, sampling=sampling
-            )
-        finally:
-            self._finish(index, session_id, cost)
+        while True:
+            await self._any_up.wait()
+            index = self.pick(session_id)
+            self._start(index, session_id, cost)
+            try:
+                return await self.replicas[index](
+                    prompt_ids, request_id=request_id, session_id=session_id, sampling=sampling
+                )
+            except ReplicaDown:
+                if index not in self.down:
+                    self.set_down(index)
+                    if self.on_down is not None:
+                        self.on_down(index)
+                self.rerouted += 1
+            finally:
+                self._finish(index, session_id, cost)

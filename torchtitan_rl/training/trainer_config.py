@@ -48,6 +48,11 @@ class TrainingConfig:
         done = min(1.0, (step - warmup) / span) if span > 0 else 1.0
         return self.lr_decay_to + (1 - self.lr_decay_to) * 0.5 * (1 + math.cos(math.pi * done))
 
+    @property
+    def last_step(self) -> int:
+        """The RL step a run ends after: `steps`, or `stop_after` when it is set."""
+        return min(self.steps, self.stop_after) if self.stop_after else self.steps
+
     def validate(self) -> None:
         check_range("training.lr_decay_to", self.lr_decay_to, ge=0, le=1)
         check_range("training.steps", self.steps, ge=0)

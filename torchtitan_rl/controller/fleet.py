@@ -1,0 +1,360 @@
+"""The generator replicas of a run, owned in one place: their processes, the GenerateFn the
+Rollouter calls, weight delivery, liveness, activity and close.
+
+    fleet = GeneratorFleet(config, supervisor, vocab_size=..., log_dir=...)
+    await fleet.start(meshes, trainer, hf_folder)
+    completion = await fleet.generate_fn(prompt_ids, request_id=..., session_id=...)
+    seconds = await fleet.sync()          # every replica that is up holds fleet.version
+    fleet.metrics()                        # generator/replicas_alive, .../requests_rerouted
+    await fleet.close()
+
+A dead replica (generator.num_replicas >= 2, generator.on_replica_death = "restart"):
+1. The Supervisor asks `survive(name)` instead of ending the run; a call on the replica
+   raising `ReplicaDown` says the same. The router takes no more calls there, and its calls
+   in flight go to the least loaded live replica (a call carries its whole context and its
+   own seed; a replica gives it the same tokens whatever else it serves).
+2. A new process is spawned on the dead one's host, under a new actor name
+   (generator1 -> generator1_r1: a late report of the old process cannot be taken for the
+   new one), and its engine is built while the others serve.
+3. At the next weight sync, the broadcast group is formed again over the live replicas and
+   the new one; it receives the same version as the others and only then takes calls. So no
+   request is served by weights other than the version the others hold.
+If every replica stays down for `generator.replicas_down_timeout_s`, the run stops with one
+line. With one replica, or on_replica_death = "stop", a death ends the run (Supervisor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchtitan_rl.config import Config
+from torchtitan_rl.controller.launcher import Meshes, spawn_generator
+from torchtitan_rl.controller.processes import on_this_machine
+from torchtitan_rl.controller.replica import ActorGenerateFn, is_death
+from torchtitan_rl.controller.supervision import PEER_REPORT_WAIT_S, Supervisor
+from torchtitan_rl.generation.backends import traits
+from torchtitan_rl.rollout.router import Router
+from torchtitan_rl.types import GenerateFn
+from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
+from torchtitan_rl.weight_sync.transport import WeightSync
+
+logger = logging.getLogger(__name__)
+
+RESTART_TIMEOUT_S = 900.0
+"""How long a replica's new process may take to start and build its engine (vLLM compiles
+and captures graphs for minutes) before the attempt counts as failed."""
+RESTART_RETRY_S = 10.0
+"""Pause between attempts to restart a replica (its host may be coming back)."""
+SYNC_ATTEMPTS = 3
+"""Weight syncs tried when replicas die during one (each retry is over the live ones)."""
+
+
+_REPLICA_NAME = re.compile(r"generator(\d*)(?:_r(\d+))?")
+
+
+def replica_name(index: int, incarnation: int = 0) -> str:
+    """The actor name of replica `index`: generator, generator1, ...; restarts add _r<k>."""
+    base = "generator" if index == 0 else f"generator{index}"
+    return base if incarnation == 0 else f"{base}_r{incarnation}"
+
+
+@dataclass(kw_only=True, slots=True)
+class Replica:
+    """One generator replica: its current actor and how it stands."""
+
+    index: int
+    name: str
+    actor: object
+    fn: ActorGenerateFn
+    incarnation: int = 0
+    up: bool = True
+    """Takes calls and receives weights."""
+    joining: bool = False
+    """A restarted process ready for weights; takes calls after the next sync."""
+    down_since: float = 0.0
+
+
+class GeneratorFleet:
+    """Owns the generator replicas; the Controller uses its verbs only."""
+
+    def __init__(self, config: Config, supervisor: Supervisor, *, vocab_size: int, log_dir):
+        self.config = config
+        self.supervisor = supervisor
+        self.vocab_size = vocab_size
+        self.log_dir = str(log_dir)
+        n = config.generator.num_replicas
+        self.survives = n >= 2 and config.generator.on_replica_death == "restart"
+        """Whether a dead replica is survived (else any death ends the run)."""
+        self.replicas: list[Replica] = []
+        self.router: Router | None = None
+        self.generate_fn: GenerateFn | None = None
+        """What the Rollouter calls: the router over the replicas, or the one replica."""
+        self.weight_sync: WeightSync | None = None
+        self.version: int | None = None
+        """The policy version the last sync delivered."""
+        self.meshes: Meshes | None = None
+        self.trainer = None
+        self.hf_folder = ""
+        self.restarts: set[asyncio.Task] = set()
+        self.local_processes: list[tuple[dict, int]] = []
+        """Restarted replicas' processes on this host, with their start times (the
+        controller kills those left over at close, as it does its first ones)."""
+        self._members: tuple[str, ...] = ()
+        """Actor names the current weight sync was formed over."""
+        self._rerouted_reported = 0
+        self._all_down: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The first actor name of every replica (what the Supervisor starts with)."""
+        return tuple(replica_name(i) for i in range(self.config.generator.num_replicas))
+
+    @property
+    def actors(self) -> list:
+        return [r.actor for r in self.replicas]
+
+    # ---- start ------------------------------------------------------------------------
+    async def start(self, meshes: Meshes, trainer, run_dir: Path) -> None:
+        """Spawn one generator per mesh (`open_weight_sync` then opens the sync)."""
+        self.meshes, self.trainer = meshes, trainer
+        self.hf_folder = await self._start_folder(run_dir)
+        for i, mesh in enumerate(meshes.generators):
+            actor = self._spawn(mesh, i, replica_name(i))
+            fn = ActorGenerateFn(actor, replica_name(i), failover=self.survives)
+            self.replicas.append(Replica(index=i, name=replica_name(i), actor=actor, fn=fn))
+        fns = [r.fn for r in self.replicas]
+        if len(fns) > 1:
+            self.router = Router(fns, on_down=self._on_down)
+        self.generate_fn = self.router or fns[0]
+        if self.survives:
+            self.supervisor.survive = self.survive
+
+    async def _start_folder(self, run_dir: Path) -> str:
+        """The Hugging Face folder a backend that starts from one (vllm) starts from:
+        model.hf_checkpoint, or the trainer's initial policy exported in the generator's
+        dtype (model.hf_checkpoint, often "", for one that does not)."""
+        cfg = self.config
+        if not traits(cfg.generator.backend).starts_from_hf_folder or cfg.model.hf_checkpoint:
+            return cfg.model.hf_checkpoint
+        folder = run_dir / "generator_start_hf"
+        self.supervisor.where = "while exporting the generator's starting weights"
+        await self.trainer.export_hf.call(str(folder), "", cfg.generator.dtype)
+        return str(folder)
+
+    async def open_weight_sync(self) -> None:
+        """The weight sync over the replicas that are up or joining (called at start, and
+        again by `sync` when the membership changed)."""
+        cfg = self.config
+        members = [r for r in self.replicas if r.up or r.joining]
+        if self.weight_sync is not None and hasattr(self.weight_sync, "close"):
+            await self.weight_sync.close()
+        self.weight_sync = await WeightSync.create(
+            self.trainer, [r.actor for r in members], cfg.generator.dtype,
+            cfg.launcher.weight_transport,
+        )  # fmt: skip
+        self.weight_sync.peer_failure_wait_s = max(30.0, cfg.launcher.host_timeout_s + 20.0)
+        self._members = tuple(r.name for r in members)
+        backend = f" ({self.weight_sync.backend})" if self.weight_sync.backend else ""
+        logger.info("weight sync: %s%s", self.weight_sync.transport, backend)
+
+    def _spawn(self, mesh, index: int, name: str):
+        placement = self.meshes.placement
+        gpu = placement.generators[index] if placement.gpus else None
+        return spawn_generator(
+            mesh, name, self.config, vocab_size=self.vocab_size, log_dir=self.log_dir,
+            hf_folder=self.hf_folder, gpu=gpu,
+        )  # fmt: skip
+
+    @property
+    def live_actors(self) -> list:
+        """The actors of the replicas that are up."""
+        return [r.actor for r in self.replicas if r.up]
+
+    # ---- weights ------------------------------------------------------------------------
+    async def sync(self) -> float:
+        """Every replica that is up, and every restarted one, gets the trainer's current
+        weights; restarted ones take calls from then on. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        for attempt in range(SYNC_ATTEMPTS):
+            members = tuple(r.name for r in self.replicas if r.up or r.joining)
+            if self.weight_sync is None or members != self._members:
+                await self.open_weight_sync()
+            try:
+                await self.weight_sync()
+                break
+            except Exception as e:
+                if not self.survives or attempt == SYNC_ATTEMPTS - 1:
+                    raise
+                if not await self._a_member_died(e):
+                    raise
+                logger.warning("weight sync: a replica died during it; again over the live ones")
+        self.version = self.weight_sync.version
+        for replica in self.replicas:
+            if replica.joining:
+                self._rejoin(replica)
+        return time.perf_counter() - t0
+
+    async def _a_member_died(self, error: BaseException) -> bool:
+        """After a failed sync: whether a member of it is now known dead (waiting for the
+        Supervisor's report when the error itself does not say so)."""
+        if not (is_death(error) or isinstance(error, BroadcastBroken)):
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PEER_REPORT_WAIT_S
+        while loop.time() < deadline:
+            live = tuple(r.name for r in self.replicas if r.up or r.joining)
+            if live != self._members:
+                return True
+            await asyncio.sleep(0.2)
+        return False
+
+    def _rejoin(self, replica: Replica) -> None:
+        replica.joining, replica.up = False, True
+        if self.router is not None:
+            self.router.set_up(replica.index)
+        self._cancel_all_down()
+        logger.warning(
+            "%s rejoined after %.0f s, at policy version %s",
+            replica.name, time.monotonic() - replica.down_since, self.version,
+        )  # fmt: skip
+
+    # ---- deaths -------------------------------------------------------------------------
+    def survive(self, name: str) -> bool:
+        """The Supervisor's question for a dead actor `name`: True when it is a replica (or
+        an older or still starting process of one) the run carries on without."""
+        parsed = parse_replica_name(name)
+        if parsed is None or parsed[0] >= len(self.replicas):
+            return False
+        replica = self.replicas[parsed[0]]
+        if name == replica.name:
+            self.replica_down(replica.index)
+        return parsed[1] <= replica.incarnation  # else no such process was ever started
+
+    def _on_down(self, index: int) -> None:
+        """The router saw a call fail with ReplicaDown."""
+        self.replica_down(index)
+
+    def replica_down(self, index: int) -> None:
+        """Replica `index` died: no more calls or weights for it; restart it."""
+        replica = self.replicas[index]
+        if not replica.up and not replica.joining:
+            return
+        if self._closed:
+            return
+        was_joining = replica.joining
+        replica.up = replica.joining = False
+        replica.down_since = time.monotonic()
+        replica.fn.fail_in_flight()
+        moved = len(replica.fn.in_flight)
+        if self.router is not None:
+            self.router.set_down(index)
+        alive = sum(r.up for r in self.replicas)
+        logger.warning(
+            "%s died%s; %d request(s) in flight go to the %d live replica(s); restarting it",
+            replica.name, " before it rejoined" if was_joining else "", moved, alive,
+        )  # fmt: skip
+        if alive == 0:
+            self._start_all_down_timer()
+        task = asyncio.ensure_future(self._restart(replica))
+        self.restarts.add(task)
+        task.add_done_callback(self.restarts.discard)
+
+    async def _restart(self, replica: Replica) -> None:
+        """A new process for `replica` on its host, until one starts; it joins at the next
+        sync."""
+        while not self._closed:
+            replica.incarnation += 1
+            name = replica_name(replica.index, replica.incarnation)
+            self.supervisor.names = (*self.supervisor.names, name)
+            try:
+                actor = await asyncio.wait_for(self._respawn(replica, name), RESTART_TIMEOUT_S)
+            except Exception as e:
+                logger.warning("restarting %s failed (%s); again in %g s", name, e, RESTART_RETRY_S)
+                await asyncio.sleep(RESTART_RETRY_S)
+                continue
+            replica.actor, replica.name = actor, name
+            replica.fn = ActorGenerateFn(actor, name, failover=True)
+            if self.router is not None:
+                self.router.replicas[replica.index] = replica.fn
+            replica.joining = True
+            logger.warning("%s restarted as %s; it takes calls after the next weight sync",
+                           replica_name(replica.index), name)  # fmt: skip
+            return
+
+    async def _respawn(self, replica: Replica, name: str):
+        old = self.meshes.generators[replica.index]
+        try:
+            await asyncio.wait_for(old.stop(), timeout=10)
+        except Exception as e:
+            logger.debug("stopping %s's mesh: %s", replica.name, e)
+        mesh = self.meshes.respawn_generator(replica.index)
+        actor = self._spawn(mesh, replica.index, name)
+        where = await actor.where.call_one()  # waits for its engine to be built
+        self.local_processes.extend(on_this_machine([where]))
+        return actor
+
+    def _start_all_down_timer(self) -> None:
+        if self._all_down is None:
+            timeout = self.config.generator.replicas_down_timeout_s
+            loop = asyncio.get_running_loop()
+            self._all_down = loop.call_later(timeout, self._all_down_too_long, timeout)
+
+    def _cancel_all_down(self) -> None:
+        if self._all_down is not None:
+            self._all_down.cancel()
+            self._all_down = None
+
+    def _all_down_too_long(self, timeout: float) -> None:
+        self.supervisor.stop_run(
+            f"every generator replica was down for {timeout:g} s "
+            f"(generator.replicas_down_timeout_s); the run stops"
+        )
+
+    # ---- reports ------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """generator/replicas_alive now, and generator/requests_rerouted since the last
+        call (0 with one replica)."""
+        rerouted = self.router.rerouted if self.router is not None else 0
+        since, self._rerouted_reported = rerouted - self._rerouted_reported, rerouted
+        return {
+            "generator/replicas_alive": float(sum(r.up for r in self.replicas)),
+            "generator/requests_rerouted": float(since),
+        }
+
+    async def activity(self) -> str:
+        """What every replica is doing, for a step that waited too long for its batch."""
+        phrases = [r.fn.activity() for r in self.replicas]
+        if not any(r.fn.in_flight for r in self.replicas):
+            phrases.append(
+                "so the rollouts wait on the environment (env.step_timeout_s="
+                f"{self.config.env.step_timeout_s:g})"
+            )
+        return "; ".join(phrases)
+
+    async def close(self) -> None:
+        """Stop restarts and close every replica's engine (bounded: one may be dead)."""
+        self._closed = True
+        self._cancel_all_down()
+        for task in list(self.restarts):
+            task.cancel()
+        for replica in self.replicas:
+            if not (replica.up or replica.joining):
+                continue
+            try:
+                await asyncio.wait_for(replica.actor.close.call_one(), timeout=10)
+            except Exception as e:
+                logger.info("%s close: %s", replica.name, e)
+
+
+def parse_replica_name(name: str) -> tuple[int, int] | None:
+    """(replica index, incarnation) of a name `replica_name` gives; None for another name."""
+    found = _REPLICA_NAME.fullmatch(name)
+    if found is None:
+        return None
+    return int(found.group(1) or 0), int(found.group(2) or 0)

@@ -1,0 +1,97 @@
+"""The GenerateFn over one generator replica's actor, as the router calls it.
+
+    fn = ActorGenerateFn(actor, "generator1", failover=True)
+    await fn(prompt_ids, request_id="3/0/1/0", session_id="3/0/1")  # a Completion
+    fn.fail_in_flight()   # its process died: every call waiting on it raises ReplicaDown
+
+With `failover` (a fleet that survives a replica's death, controller/fleet.py) a call whose
+process died raises `ReplicaDown`, and the router sends it to another replica. Without it,
+the call returns None and the Supervisor ends the run with one line naming the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from monarch.actor import ActorError
+
+from torchtitan_rl.rollout.router import ReplicaDown
+from torchtitan_rl.types import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def is_death(error: BaseException) -> bool:
+    """A process's death as Monarch reports it to a call on it."""
+    if isinstance(error, ActorError):
+        error = error.exception
+    return isinstance(error, SupervisionError)
+
+
+class ActorGenerateFn:
+    """GenerateFn over a generator actor. Keeps the calls in flight, so a step that waits too
+    long can say what the generator is doing, and a dead replica's calls can be failed."""
+
+    def __init__(self, generator, name: str = "generator", *, failover: bool = False):
+        self.generator = generator
+        self.name = name
+        self.failover = failover
+        self.in_flight: dict[str, float] = {}
+        """{request_id: when it was sent} of calls not answered yet."""
+        self._gone = asyncio.Event()
+        """Set once the replica's process is known dead: its waiting calls stop waiting."""
+
+    async def __call__(self, prompt_ids, *, request_id, session_id=None, sampling=None):
+        sampling = sampling or SamplingParams()
+        self.in_flight[request_id] = time.perf_counter()
+        try:
+            if self._gone.is_set():
+                raise ReplicaDown(self.name)
+            call = asyncio.ensure_future(
+                self.generator.generate.call_one(prompt_ids, request_id, session_id, sampling)
+            )
+            gone = asyncio.ensure_future(self._gone.wait())
+            try:
+                await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+            if not call.done():
+                call.cancel()
+                raise ReplicaDown(self.name)
+            return call.result()
+        except ReplicaDown:
+            return self._died(request_id)
+        except Exception as e:
+            if is_death(e):
+                return self._died(request_id)
+            logger.warning("generate %s failed: %s", request_id, e)
+            return None  # the call failed: the rollout becomes a generator error
+        finally:
+            self.in_flight.pop(request_id, None)
+
+    def _died(self, request_id: str) -> None:
+        if self.failover:
+            raise ReplicaDown(self.name)
+        logger.debug("generate %s: %s died", request_id, self.name)
+        return None  # the Supervisor ends the run
+
+    def fail_in_flight(self) -> None:
+        """The replica's process is gone: its calls in flight (and later ones) raise
+        ReplicaDown (with failover) instead of waiting for Monarch to notice."""
+        self._gone.set()
+
+    def activity(self) -> str:
+        """One phrase: how many requests are in flight and the oldest of them."""
+        if self._gone.is_set():
+            return f"{self.name}: down"
+        if not self.in_flight:
+            return f"{self.name}: no request in flight"
+        oldest = min(self.in_flight, key=self.in_flight.get)
+        age = time.perf_counter() - self.in_flight[oldest]
+        return (
+            f"{self.name}: {len(self.in_flight)} requests in flight, the oldest ({oldest}) "
+            f"for {age:.0f} s"
+        )
