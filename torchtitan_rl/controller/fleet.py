@@ -26,6 +26,7 @@ line. With one replica, or on_replica_death = "stop", a death ends the run (Supe
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import re
 import time
@@ -109,6 +110,8 @@ class GeneratorFleet:
         self._rerouted_reported = 0
         self._all_down: asyncio.TimerHandle | None = None
         self._closed = False
+        self._context: contextvars.Context | None = None
+        """The context `start` ran in (restarts spawn processes in it)."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -123,6 +126,7 @@ class GeneratorFleet:
     async def start(self, meshes: Meshes, trainer, run_dir: Path) -> None:
         """Spawn one generator per mesh (`open_weight_sync` then opens the sync)."""
         self.meshes, self.trainer = meshes, trainer
+        self._context = contextvars.copy_context()
         self.hf_folder = await self._start_folder(run_dir)
         for i, mesh in enumerate(meshes.generators):
             actor = self._spawn(mesh, i, replica_name(i))
@@ -251,6 +255,7 @@ class GeneratorFleet:
         replica.up = replica.joining = False
         replica.down_since = time.monotonic()
         replica.fn.fail_in_flight()
+        self.supervisor.survived_death()
         moved = len(replica.fn.in_flight)
         if self.router is not None:
             self.router.set_down(index)
@@ -261,7 +266,9 @@ class GeneratorFleet:
         )  # fmt: skip
         if alive == 0:
             self._start_all_down_timer()
-        task = asyncio.ensure_future(self._restart(replica))
+        # in the run's context: a death reported on Monarch's thread arrives outside it, and
+        # spawning a process needs the Monarch client context the run started in
+        task = asyncio.get_running_loop().create_task(self._restart(replica), context=self._context)
         self.restarts.add(task)
         task.add_done_callback(self.restarts.discard)
 
@@ -275,7 +282,10 @@ class GeneratorFleet:
             try:
                 actor = await asyncio.wait_for(self._respawn(replica, name), RESTART_TIMEOUT_S)
             except Exception as e:
-                logger.warning("restarting %s failed (%s); again in %g s", name, e, RESTART_RETRY_S)
+                logger.warning(
+                    "restarting %s failed (%s); again in %g s", name, e, RESTART_RETRY_S,
+                    exc_info=logger.isEnabledFor(logging.DEBUG),
+                )  # fmt: skip
                 await asyncio.sleep(RESTART_RETRY_S)
                 continue
             replica.actor, replica.name = actor, name
@@ -289,10 +299,9 @@ class GeneratorFleet:
 
     async def _respawn(self, replica: Replica, name: str):
         old = self.meshes.generators[replica.index]
-        try:
-            await asyncio.wait_for(old.stop(), timeout=10)
-        except Exception as e:
-            logger.debug("stopping %s's mesh: %s", replica.name, e)
+        stopping = asyncio.ensure_future(_stop(old, replica.name))  # meanwhile, bounded
+        self.restarts.add(stopping)
+        stopping.add_done_callback(self.restarts.discard)
         mesh = self.meshes.respawn_generator(replica.index)
         actor = self._spawn(mesh, replica.index, name)
         where = await actor.where.call_one()  # waits for its engine to be built
@@ -350,6 +359,14 @@ class GeneratorFleet:
                 await asyncio.wait_for(replica.actor.close.call_one(), timeout=10)
             except Exception as e:
                 logger.info("%s close: %s", replica.name, e)
+
+
+async def _stop(mesh, name: str) -> None:
+    """Stop a dead replica's mesh, within 10 s; a failure to stop is only logged."""
+    try:
+        await asyncio.wait_for(mesh.stop(), timeout=10)
+    except Exception as e:
+        logger.debug("stopping %s's mesh: %s", name, e)
 
 
 def parse_replica_name(name: str) -> tuple[int, int] | None:

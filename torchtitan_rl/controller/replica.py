@@ -31,6 +31,11 @@ def is_death(error: BaseException) -> bool:
     return isinstance(error, SupervisionError)
 
 
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class ActorGenerateFn:
     """GenerateFn over a generator actor. Keeps the calls in flight, so a step that waits too
     long can say what the generator is doing, and a dead replica's calls can be failed."""
@@ -60,6 +65,7 @@ class ActorGenerateFn:
                 gone.cancel()
             if not call.done():
                 call.cancel()
+                call.add_done_callback(_retrieve)  # it may still fail, unheard
                 raise ReplicaDown(self.name)
             return call.result()
         except ReplicaDown:

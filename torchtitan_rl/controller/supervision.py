@@ -48,6 +48,11 @@ NAMED_REPORT_WAIT_S = 15.0
 actors, e.g. its logger, can report the same death first), how long to wait for the report
 that names ours."""
 
+SURVIVED_ECHO_S = 60.0
+"""After a death the run survives, how long reports naming none of ours are taken for that
+process's (Monarch's own actors on it, or its mesh being stopped, report it again later); a
+death of ours in that time still names ours and ends the run."""
+
 FAILURE_GRACE_S = 2.0
 """After a failure report, how long the awaited call gets to raise its own (more precise)
 SupervisionError before the controller cancels it."""
@@ -132,6 +137,7 @@ class Supervisor:
         controller/fleet.py); its report, and the reports naming none of ours that came with
         it, are then set aside in `survived`."""
         self.survived: list[str] = []
+        self._survived_at = -float("inf")
         self.fatal: ActorFailure | None = None
         """Set by `stop_run`: the line a run that cannot go on ends with."""
         self._failed = asyncio.Event()
@@ -155,21 +161,39 @@ class Supervisor:
     def _on_failure(self, failure) -> None:
         """Runs on a Monarch thread; returning normally marks the failure handled."""
         report = failure.report()
-        self.reports.append(report)
         assert self._loop is not None
-        if not self._loop.is_closed():  # a late report after the run ended needs no wake-up
+        if self._loop.is_closed():  # a late report after the run ended needs no wake-up
+            self.reports.append(report)
+        else:  # sorted on the loop, so the watch never sees a report not sorted yet
             self._loop.call_soon_threadsafe(self._sort, report)
 
     def _sort(self, report: str) -> None:
         """On the event loop: a report of a death the run survives is set aside, with the
         reports naming none of ours so far (Monarch's own actors on the same process);
         either way the watch wakes to look."""
+        self.reports.append(report)
         ours = _our_actor(report, self.names)
+        now = self._loop.time()
         if ours is not None and self.survive is not None and self.survive(ours[0]):
-            aside = [r for r in self.reports if r is report or _our_actor(r, self.names) is None]
-            self.survived.extend(aside)
-            self.reports = [r for r in self.reports if not any(r is a for a in aside)]
+            self.survived_death()
+            self._set_aside(report)
+        elif ours is None and now - self._survived_at <= SURVIVED_ECHO_S:
+            self._set_aside(report)
         self._failed.set()
+
+    def survived_death(self) -> None:
+        """A process the run survives died (told by `survive`, or by the fleet when a call
+        on it failed first): the reports naming none of ours so far, and those of the next
+        SURVIVED_ECHO_S, are taken for its own."""
+        self._survived_at = asyncio.get_running_loop().time()
+        self._set_aside(None)
+        self._failed.set()
+
+    def _set_aside(self, report: str | None) -> None:
+        """Move `report` and every report naming none of ours to `survived`."""
+        aside = [r for r in self.reports if r is report or _our_actor(r, self.names) is None]
+        self.survived.extend(aside)
+        self.reports = [r for r in self.reports if not any(r is a for a in aside)]
 
     def stop_run(self, line: str) -> None:
         """End the run with `line` (e.g. every generator replica down for too long)."""
