@@ -1,0 +1,146 @@
+"""Kill a generator replica at random moments of a seeded run; every run must finish, train
+the same prompts as the undisturbed run, and leave nothing running.
+
+    python scripts/bench_failover.py --kills 5 --staleness 0 1 [--backend vllm] [--out DIR]
+
+For each max_staleness, one undisturbed run, then `--kills` runs that SIGKILL a random replica
+(of 2) at a random moment between the first RL step and the undisturbed run's end. Per run:
+whether it finished, whether the prompts trained per step equal the undisturbed run's, and
+(CPU, pipelined: the engine is batch-invariant) whether every reward and loss is equal bit for
+bit; requests rerouted, seconds until the replica rejoined, and processes left running.
+Prints a table and writes failover.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+from torchtitan_rl.config import load_config
+from torchtitan_rl.controller.loop import Controller
+from torchtitan_rl.controller.processes import started
+
+ROOT = Path(__file__).resolve().parents[1]
+EXACT = ("rollout_reward/mean", "loss/mean", "loss/policy", "trainer/grad_norm")
+
+
+def config(out: Path, name: str, args, staleness: int):
+    return load_config(
+        ROOT / "train_configs" / "alphabet_sort_tiny.toml",
+        [
+            f"--job.output_dir={out}", f"--job.run_name={name}",
+            f"--training.steps={args.steps}", "--warm_start.steps=2",
+            "--warm_start.batch_size=4", "--rollout.prompts_per_step=8",
+            "--rollout.filter_zero_std_groups=false", "--rollout.max_tokens=16",
+            "--validation.interval=0", "--checkpoint.interval=0",
+            "--parallelism.trainer_procs=1", "--generator.num_replicas=2",
+            f"--generator.backend={args.backend}", f"--parallelism.device={args.device}",
+            f"--rollout.max_staleness={staleness}",
+        ],
+    )  # fmt: skip
+
+
+def run(cfg, kill_after_s: float | None, victim: int) -> dict:
+    """One run; kills replica `victim` `kill_after_s` seconds into RL step 1."""
+    controller = Controller(cfg, use_tqdm=False)
+    trained: dict[int, list[int]] = {}
+    train = controller.stage.train
+
+    async def recording_train(trainer, groups):
+        trained[controller.start_step + len(trained) + 1] = sorted(g.sample_index for g in groups)
+        return await train(trainer, groups)
+
+    controller.stage.train = recording_train
+    killed: dict = {}
+
+    async def kill():
+        while controller.supervisor.where != "during RL step 1":
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(kill_after_s)
+        replica = controller.fleet.replicas[victim]
+        killed["pid"] = await replica.actor.pid.call_one()
+        killed["at_s"], killed["name"] = kill_after_s, replica.name
+        os.kill(killed["pid"], signal.SIGKILL)
+
+    async def go():
+        t0 = time.perf_counter()
+        killer = asyncio.ensure_future(kill()) if kill_after_s is not None else None
+        error = None
+        try:
+            await controller.run()
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            if killer is not None:
+                killer.cancel()
+            await controller.close()
+        return error, time.perf_counter() - t0
+
+    error, seconds = asyncio.run(go())
+    history = {t: dict(s) for t, s in (controller.metrics.history if controller.metrics else {}).items()}
+    fleet = controller.fleet
+    leftover = [w["pid"] for w, t in controller.local_processes + fleet.local_processes
+                if started(w["pid"]) == t]  # fmt: skip
+    if "pid" in killed and started(killed["pid"]) is not None:
+        leftover.append(killed["pid"])
+    return {
+        "error": error, "seconds": seconds, "trained": trained, "killed": killed,
+        "rerouted": sum(history.get("generator/requests_rerouted", {}).values()),
+        "alive_at_end": history.get("generator/replicas_alive", {}).get(cfg.training.steps),
+        "exact": {t: history.get(t, {}) for t in EXACT}, "leftover": leftover,
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--backend", default="native")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(message)s")
+    rng = random.Random(args.seed)
+    work = Path(tempfile.mkdtemp(prefix="failover_"))
+    rows = []
+    for staleness in args.staleness:
+        base = run(config(work, f"n{staleness}_base", args, staleness), None, 0)
+        assert base["error"] is None, base["error"]
+        span = base["seconds"] * 0.6  # RL steps take most of the run; kill within them
+        for k in range(args.kills):
+            at, victim = round(rng.uniform(0.0, span), 2), rng.randrange(2)
+            r = run(config(work, f"n{staleness}_kill{k}", args, staleness), at, victim)
+            rows.append({
+                "max_staleness": staleness, "kill": k, "at_s": at, "victim": victim,
+                "finished": r["error"] is None, "error": r["error"],
+                "same_prompts": r["trained"] == base["trained"],
+                "bit_equal": r["exact"] == base["exact"], "rerouted": r["rerouted"],
+                "alive_at_end": r["alive_at_end"], "leftover": r["leftover"],
+                "seconds": round(r["seconds"], 1), "base_seconds": round(base["seconds"], 1),
+            })  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    head = "N  kill  at_s  victim  finished  same_prompts  bit_equal  rerouted  alive  left  s"
+    print(head)
+    for r in rows:
+        print(
+            f"{r['max_staleness']:<2} {r['kill']:<5} {r['at_s']:<5} {r['victim']:<7} "
+            f"{r['finished']!s:<9} {r['same_prompts']!s:<13} {r['bit_equal']!s:<10} "
+            f"{r['rerouted']:<9g} {r['alive_at_end']!s:<6} {len(r['leftover']):<5} {r['seconds']}"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "failover.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
