@@ -192,7 +192,7 @@ class Controller:
         self.router = Router(fns) if replicas > 1 else None
         self.generate_fn = self.router or fns[0]
         self.weight_sync = await WeightSync.create(
-            self.trainer, self.generators, cfg.generator.dtype, cfg.launcher.weight_transport
+            self.trainer, self.generators, cfg.generator.dtype, cfg.weight_sync.transport
         )
         self.weight_sync.peer_failure_wait_s = max(30.0, cfg.launcher.host_timeout_s + 20.0)
         backend = f" ({self.weight_sync.backend})" if self.weight_sync.backend else ""
