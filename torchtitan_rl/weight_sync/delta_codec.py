@@ -11,11 +11,15 @@ payloads count as changes like any other bits).
 Bytes on the wire: N / 8 + K * element_size, against N * element_size for the whole buffer:
 for bf16 the delta is smaller while fewer than 15/16 of the elements change.
 Both sides work in chunks of CHUNK elements, so the temporary masks stay small on any
-device (a 0.6B model in bf16 is 596M elements).
+device (a 0.6B model in bf16 is 596M elements). On CPU the compaction and the bit packing go
+through numpy: `np.compress` selects 16M bf16 words in 12 ms where torch's masked select takes
+70 ms, and `np.packbits` packs them in 1.3 ms (one thread, 2-core VM); on a GPU torch's own
+kernels do it.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 CHUNK = 1 << 24
@@ -49,6 +53,8 @@ def chunks(numel: int) -> int:
 
 def _pack(mask_C: torch.Tensor) -> torch.Tensor:
     """The bitmask bytes of a bool mask (padded to a multiple of 8 elements)."""
+    if mask_C.device.type == "cpu":
+        return torch.from_numpy(np.packbits(mask_C.numpy(), bitorder="little"))
     m8 = mask_C.view(torch.uint8)
     if m8.numel() % 8:
         m8 = torch.nn.functional.pad(m8, (0, -m8.numel() % 8))
@@ -57,9 +63,29 @@ def _pack(mask_C: torch.Tensor) -> torch.Tensor:
 
 def _unpack(bits_B: torch.Tensor, numel: int) -> torch.Tensor:
     """The bool mask of `numel` elements that `bits_B` encodes."""
+    if bits_B.device.type == "cpu":
+        bits = np.unpackbits(bits_B.numpy(), count=numel, bitorder="little")
+        return torch.from_numpy(bits.view(np.bool_))
     y = (bits_B.to(torch.int64) * SPREAD) & PICK
     flags = (((y & CARRY) + CARRY) | y) >> 7 & ONES  # 0/1 per byte, no carry between bytes
     return flags.view(torch.uint8)[:numel].view(torch.bool)
+
+
+def _select(x_C: torch.Tensor, mask_C: torch.Tensor) -> torch.Tensor:
+    """The elements of `x_C` where `mask_C`, in order (numpy sees them as integers)."""
+    if x_C.device.type != "cpu":
+        return x_C[mask_C]
+    as_int = _INT[x_C.element_size()]
+    return torch.from_numpy(np.compress(mask_C.numpy(), x_C.view(as_int).numpy())).view(x_C.dtype)
+
+
+def _scatter(out_C: torch.Tensor, mask_C: torch.Tensor, vals: torch.Tensor) -> None:
+    """`out_C[mask_C] = vals` in order, in place."""
+    if out_C.device.type != "cpu":
+        out_C.masked_scatter_(mask_C, vals)
+        return
+    where = torch.from_numpy(np.flatnonzero(mask_C.numpy()))
+    out_C.index_copy_(0, where, vals)
 
 
 def encode(
@@ -76,7 +102,7 @@ def encode(
     for start in range(0, numel, CHUNK):
         new_C, base_C = new_P[start : start + CHUNK], base_P[start : start + CHUNK]
         mask_C = new_C.view(as_int) != base_C.view(as_int)
-        vals.append(new_C[mask_C])
+        vals.append(_select(new_C, mask_C))
         packed = _pack(mask_C)
         bits_B[start // 8 : start // 8 + packed.numel()] = packed
     counts_C = torch.tensor([v.numel() for v in vals], dtype=torch.int64)
@@ -96,6 +122,6 @@ def decode(
         if k:
             out_C = out_P[i * CHUNK : (i + 1) * CHUNK]
             b = bits_B[i * CHUNK // 8 : i * CHUNK // 8 + mask_bytes(out_C.numel())]
-            out_C.masked_scatter_(_unpack(b, out_C.numel()), vals_K[used : used + k])
+            _scatter(out_C, _unpack(b, out_C.numel()), vals_K[used : used + k])
         used += k
     return out_P
