@@ -1,12 +1,16 @@
-"""Seconds per weight sync, trainer -> generator in separate Monarch processes: CUDA IPC vs
-the broadcast group (NCCL on GPUs, plus a gloo row through CPU buffers; gloo on CPU) vs the
-packed buffer through the controller vs the copy floor; with
---hosts, on two simulated hosts (ProcessJob), plus Monarch's RDMABuffer (TCP fallback).
+"""Seconds and bytes per weight sync, trainer -> generator in separate Monarch processes:
+CUDA IPC vs the broadcast group sending the whole buffer ("full": NCCL on GPUs, plus a gloo
+row through CPU buffers; gloo on CPU) vs the delta transport in the same group (after each
+simulated RL step changed --changed of the weights) vs the packed buffer through the
+controller vs the copy floor; with --hosts, on two simulated hosts (ProcessJob), plus
+Monarch's RDMABuffer (TCP fallback).
 
     python scripts/bench_weight_sync.py            # GPU: Qwen3-0.6B shape (vocab 151936, tied), bf16
     python scripts/bench_weight_sync.py --smoke    # tiny model on CPU, seconds
     python scripts/bench_weight_sync.py --hosts --dtype bfloat16   # CPU, trainer and generator
                                                    # on two hosts of a ProcessJob, 0.6B shape
+    python scripts/bench_weight_sync.py --transports full delta --device cuda --generator-gpu 1
+                                                   # full vs delta, NCCL and gloo, 2 GPUs
 
 One trainer process (TrainerActor: FSDP on one rank, fp32 master weights, as in a run) and one
 generator process (GeneratorActor with a small engine), both on the same GPU. A sync is what
