@@ -188,7 +188,7 @@ class BenchTrainer(TrainerActor):
     @endpoint
     async def last_send(self) -> dict | None:
         """The delta sender's {"mode", "changed", "bytes"} of its last send (None else)."""
-        return getattr(self.weights.sender, "last", None) if self.rank == 0 else None
+        return getattr(self.sync_side.sender, "last", None) if self.rank == 0 else None
 
 
 class RdmaSource(Actor):

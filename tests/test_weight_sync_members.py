@@ -59,14 +59,14 @@ def _trainer() -> TrainerActor:
     model = nn.Sequential(nn.Linear(33, 17), nn.LayerNorm(17))
     actor.rank = 0
     actor.core = SimpleNamespace(model=model, policy_version=1, device=torch.device("cpu"))
-    actor.weights = SendingSide(actor.core.device)
+    actor.sync_side = SendingSide(actor.core.device)
     return actor
 
 
 def _generator() -> GeneratorActor:
     actor = GeneratorActor.__new__(GeneratorActor)
     actor.engine, actor.device = _Engine(), torch.device("cpu")
-    actor.weights = ReceivingSide(actor.device)
+    actor.sync_side = ReceivingSide(actor.device)
     actor.actor_name = "generator"
     return actor
 
@@ -98,16 +98,16 @@ def test_a_new_sync_over_the_survivor_then_over_a_fresh_replica_delivers(transpo
         assert sync.transport == transport
         await sync()
         assert sync.version == 1 and _holds(gens[0], trainer) and _holds(gens[1], trainer)
-        modes.append(getattr(trainer.weights.sender, "last", {}).get("mode"))
+        modes.append(getattr(trainer.sync_side.sender, "last", {}).get("mode"))
         # generator 1 dies: its side of the group goes (its sockets close with its process)
-        gens[1].weights.close()
+        gens[1].sync_side.close()
         await asyncio.wait_for(sync.close(), timeout=10)  # no word to the dead member
         _step(trainer, 0.1)
         survivor = await WeightSync.create(t, g[:1], "float32", transport)
         assert survivor.key != sync.key
         await survivor()
         assert _holds(gens[0], trainer) and gens[1].engine.loaded[-1][0] == 1
-        modes.append(getattr(trainer.weights.sender, "last", {}).get("mode"))
+        modes.append(getattr(trainer.sync_side.sender, "last", {}).get("mode"))
         with pytest.raises(RuntimeError, match=f"weight sync {sync.key} is closed"):
             await sync()
         # a fresh replica replaces the dead one
@@ -119,7 +119,7 @@ def test_a_new_sync_over_the_survivor_then_over_a_fresh_replica_delivers(transpo
         for _ in range(2):
             await both()
             assert _holds(gens[0], trainer) and _holds(fresh, trainer)
-            modes.append(getattr(trainer.weights.sender, "last", {}).get("mode"))
+            modes.append(getattr(trainer.sync_side.sender, "last", {}).get("mode"))
             _step(trainer, 0.1)
         await both.close()
         return modes
@@ -128,4 +128,4 @@ def test_a_new_sync_over_the_survivor_then_over_a_fresh_replica_delivers(transpo
     if transport == "delta":  # full (no bases); delta (the survivor's base); full; delta
         assert modes == [FULL, DELTA, FULL, DELTA]
     for actor in gens:
-        actor.weights.close()
+        actor.sync_side.close()

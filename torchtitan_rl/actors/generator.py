@@ -53,7 +53,7 @@ class GeneratorActor(Actor):
         # sets the current GPU for this thread, which in Monarch 0.7 also runs every endpoint
         dev = self.device = pick_device(device, cpu_threads, gpu)
         self.engine = build_engine(model, engine, vocab_size, dev, hf_folder)
-        self.weights = ReceivingSide(dev)
+        self.sync_side = ReceivingSide(dev)
         """This generator's half of the current weight sync (weight_sync/sides.py)."""
 
     @concurrent_endpoint
@@ -81,14 +81,14 @@ class GeneratorActor(Actor):
         """Become member `rank` of weight sync `key` (its transport's group, if it has one),
         leaving the sync joined before; returns once the group has formed (the trainer's
         `weights_form` runs meanwhile)."""
-        await self.weights.join(key, transport, offer, rank)
+        await self.sync_side.join(key, transport, offer, rank)
 
     @concurrent_endpoint
     async def weights_receive(self, key: str, payload: Any, index: int) -> int:
         """Receive the next version by sync `key`'s transport (`payload`: what the trainer
         returned, for a transport through the controller) into memory of this process's
         own, then queue it; the engine applies it between steps. Returns the version."""
-        packed = await self.weights.receive(key, payload, index)
+        packed = await self.sync_side.receive(key, payload, index)
         self.engine.load_weights(unpack_weights(packed), packed.version)
         return packed.version
 
@@ -121,5 +121,5 @@ class GeneratorActor(Actor):
     @concurrent_endpoint
     async def close(self) -> None:
         await self.engine.close()
-        self.weights.close()
+        self.sync_side.close()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None

@@ -64,7 +64,7 @@ class TrainerActor(Actor):
             tp=tp,
         )
         self.sft_optimizer = None
-        self.weights = SendingSide(dev)
+        self.sync_side = SendingSide(dev)
         """Rank 0's half of the current weight sync (weight_sync/sides.py)."""
 
     @endpoint
@@ -125,7 +125,7 @@ class TrainerActor(Actor):
         if self.rank != 0:
             return None
         state = sharded_state(self.core.model)
-        return self.weights.open(
+        return self.sync_side.open(
             key, transport, state=state, dtype=DTYPES[dtype], receivers=receivers,
             backend=backend,
         )  # fmt: skip
@@ -134,7 +134,7 @@ class TrainerActor(Actor):
     async def weights_form(self, key: str) -> None:
         """Rank 0 meets every generator of the sync (each in `weights_join` meanwhile)."""
         if self.rank == 0:
-            self.weights.form(key)
+            self.sync_side.form(key)
 
     @endpoint
     async def weights_send(self, key: str) -> tuple[int, Any] | None:
@@ -145,13 +145,13 @@ class TrainerActor(Actor):
         if self.rank != 0:
             gather_into(state, None)
             return None
-        return self.weights.send(key, state, self.core.policy_version)
+        return self.sync_side.send(key, state, self.core.policy_version)
 
     @endpoint
     async def weights_close(self, key: str) -> None:
         """Rank 0 drops sync `key` if it is still the current one (no collective)."""
         if self.rank == 0:
-            self.weights.close(key)
+            self.sync_side.close(key)
 
     @endpoint
     async def save_checkpoint(self, folder: str) -> None:
