@@ -28,38 +28,8 @@ on the trainer's host and pulled by the generator's host with `read_into` (no pa
 engine apply), so it is a lower bound for a sync built on it.
 Writes `bench_weight_sync.json` to --out (default: $OUT, else the current directory).
 
-Measured 2026-11-21, one NVIDIA H200, torch 2.11.0+cu130, `python scripts/bench_weight_sync.py`
-(1.19 GB: the tied embedding packed once):
-
-| transport                                      |   sync ms | trainer side ms |   cold ms |
-|------------------------------------------------|-----------|-----------------|-----------|
-| ours: CUDA IPC handle, device-to-device copy   |      10.8 |             6.5 |      58.8 |
-| packed CPU buffer through the controller       |    5253.2 |          1635.9 |    5187.0 |
-| floor: one copy at 4,195 GB/s (read + write)   |      0.57 |                 |           |
-
-Measured 2026-11-27, 2 x H100, `python scripts/bench_weight_sync.py --generator-gpu 1` (the
-generator on GPU 1; the broadcast group is NCCL between GPUs, the gloo row forces CPU buffers):
-CUDA IPC 27.0 ms, NCCL broadcast 19.3 ms, gloo broadcast 1,710.9 ms, controller 8,315.3 ms,
-floor 3.12 ms (one GPU 0 -> 1 copy at 382 GB/s); docs/hosts.md has the fp32 rows.
-
-Measured 2026-11-26 on the 2-core VM (x86_64 CPU, torch 2.13.0+cpu), trainer on host
-trainer_0 and generator on host generator_0 of a ProcessJob, `python
-scripts/bench_weight_sync.py --hosts --dtype bfloat16 --repeats 3` (Qwen3-0.6B shape, 1.19 GB):
-
-| transport                                            |   sync ms |   GB/s | trainer side ms |   cold ms |
-|------------------------------------------------------|-----------|--------|-----------------|-----------|
-| ours: gloo broadcast, trainer rank 0 -> generators   |     989.0 |   1.21 |                 |    1434.2 |
-| packed CPU buffer through the controller             |    9608.5 |   0.12 |          2855.1 |    9897.2 |
-| RDMABuffer read_into (tcp), transfer only            |    2957.7 |   0.40 |                 |    3458.5 |
-| floor: one copy at 27.8 GB/s (read + write)          |     85.90 |  13.88 |                 |           |
-
-fp32 (`--hosts --dtype float32 --repeats 3 --transports broadcast,rdma`, 2.38 GB): broadcast
-1999.6 ms (1.19 GB/s), RDMABuffer transfer 6695.1 ms, floor 172.2 ms; the controller row did
-not fit the VM's 24 GB at fp32 (stopped at 2.3 GB free).
-The tiny shape (`--hosts --flavor tiny --vocab 96 --dtype float32|bfloat16 --repeats 7`, 4.0 /
-2.0 MB) is latency-bound (Monarch round trips), and noisy on this VM (a run minutes earlier
-gave the broadcast 90-96 ms): fp32 broadcast 26.5 ms, controller 27.1, RDMABuffer transfer
-14.4, floor 0.17; bf16 broadcast 13.3 ms, controller 26.3, RDMABuffer 7.5, floor 0.07.
+Measurements (H200, 2 x H100, two simulated hosts on the 2-core VM, full vs delta):
+docs/benchmarks.md ("Weight sync", "Delta weight sync") and docs/hosts.md ("Measured here").
 """
 
 from __future__ import annotations
