@@ -85,7 +85,9 @@ def run(cfg, kill_after_s: float | None, victim: int) -> dict:
         return error, time.perf_counter() - t0
 
     error, seconds = asyncio.run(go())
-    history = {t: dict(s) for t, s in (controller.metrics.history if controller.metrics else {}).items()}
+    history = {
+        t: dict(s) for t, s in (controller.metrics.history if controller.metrics else {}).items()
+    }
     fleet = controller.fleet
     leftover = [w["pid"] for w, t in controller.local_processes + fleet.local_processes
                 if started(w["pid"]) == t]  # fmt: skip

@@ -1,12 +1,16 @@
-"""Seconds per weight sync, trainer -> generator in separate Monarch processes: CUDA IPC vs
-the broadcast group (NCCL on GPUs, plus a gloo row through CPU buffers; gloo on CPU) vs the
-packed buffer through the controller vs the copy floor; with
---hosts, on two simulated hosts (ProcessJob), plus Monarch's RDMABuffer (TCP fallback).
+"""Seconds and bytes per weight sync, trainer -> generator in separate Monarch processes:
+CUDA IPC vs the broadcast group sending the whole buffer ("full": NCCL on GPUs, plus a gloo
+row through CPU buffers; gloo on CPU) vs the delta transport in the same group (after each
+simulated RL step changed --changed of the weights) vs the packed buffer through the
+controller vs the copy floor; with --hosts, on two simulated hosts (ProcessJob), plus
+Monarch's RDMABuffer (TCP fallback).
 
     python scripts/bench_weight_sync.py            # GPU: Qwen3-0.6B shape (vocab 151936, tied), bf16
     python scripts/bench_weight_sync.py --smoke    # tiny model on CPU, seconds
     python scripts/bench_weight_sync.py --hosts --dtype bfloat16   # CPU, trainer and generator
                                                    # on two hosts of a ProcessJob, 0.6B shape
+    python scripts/bench_weight_sync.py --transports full delta --device cuda --generator-gpu 1
+                                                   # full vs delta, NCCL and gloo, 2 GPUs
 
 One trainer process (TrainerActor: FSDP on one rank, fp32 master weights, as in a run) and one
 generator process (GeneratorActor with a small engine), both on the same GPU. A sync is what
@@ -24,44 +28,15 @@ on the trainer's host and pulled by the generator's host with `read_into` (no pa
 engine apply), so it is a lower bound for a sync built on it.
 Writes `bench_weight_sync.json` to --out (default: $OUT, else the current directory).
 
-Measured 2026-11-21, one NVIDIA H200, torch 2.11.0+cu130, `python scripts/bench_weight_sync.py`
-(1.19 GB: the tied embedding packed once):
-
-| transport                                      |   sync ms | trainer side ms |   cold ms |
-|------------------------------------------------|-----------|-----------------|-----------|
-| ours: CUDA IPC handle, device-to-device copy   |      10.8 |             6.5 |      58.8 |
-| packed CPU buffer through the controller       |    5253.2 |          1635.9 |    5187.0 |
-| floor: one copy at 4,195 GB/s (read + write)   |      0.57 |                 |           |
-
-Measured 2026-11-27, 2 x H100, `python scripts/bench_weight_sync.py --generator-gpu 1` (the
-generator on GPU 1; the broadcast group is NCCL between GPUs, the gloo row forces CPU buffers):
-CUDA IPC 27.0 ms, NCCL broadcast 19.3 ms, gloo broadcast 1,710.9 ms, controller 8,315.3 ms,
-floor 3.12 ms (one GPU 0 -> 1 copy at 382 GB/s); docs/hosts.md has the fp32 rows.
-
-Measured 2026-11-26 on the 2-core VM (x86_64 CPU, torch 2.13.0+cpu), trainer on host
-trainer_0 and generator on host generator_0 of a ProcessJob, `python
-scripts/bench_weight_sync.py --hosts --dtype bfloat16 --repeats 3` (Qwen3-0.6B shape, 1.19 GB):
-
-| transport                                            |   sync ms |   GB/s | trainer side ms |   cold ms |
-|------------------------------------------------------|-----------|--------|-----------------|-----------|
-| ours: gloo broadcast, trainer rank 0 -> generators   |     989.0 |   1.21 |                 |    1434.2 |
-| packed CPU buffer through the controller             |    9608.5 |   0.12 |          2855.1 |    9897.2 |
-| RDMABuffer read_into (tcp), transfer only            |    2957.7 |   0.40 |                 |    3458.5 |
-| floor: one copy at 27.8 GB/s (read + write)          |     85.90 |  13.88 |                 |           |
-
-fp32 (`--hosts --dtype float32 --repeats 3 --transports broadcast,rdma`, 2.38 GB): broadcast
-1999.6 ms (1.19 GB/s), RDMABuffer transfer 6695.1 ms, floor 172.2 ms; the controller row did
-not fit the VM's 24 GB at fp32 (stopped at 2.3 GB free).
-The tiny shape (`--hosts --flavor tiny --vocab 96 --dtype float32|bfloat16 --repeats 7`, 4.0 /
-2.0 MB) is latency-bound (Monarch round trips), and noisy on this VM (a run minutes earlier
-gave the broadcast 90-96 ms): fp32 broadcast 26.5 ms, controller 27.1, RDMABuffer transfer
-14.4, floor 0.17; bf16 broadcast 13.3 ms, controller 26.3, RDMABuffer 7.5, floor 0.07.
+Measurements (H200, 2 x H100, two simulated hosts on the 2-core VM, full vs delta):
+docs/benchmarks.md ("Weight sync", "Delta weight sync") and docs/hosts.md ("Measured here").
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -80,7 +55,8 @@ from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.training.trainer_config import TrainingConfig
-from torchtitan_rl.weight_sync.transport import WeightSync, WeightTransport, choose_transport
+from torchtitan_rl.weight_sync.strategies import TRANSPORTS
+from torchtitan_rl.weight_sync.transport import WeightSync, broadcast_backend, choose_transport
 
 QWEN3_VOCAB = 151936
 
@@ -93,11 +69,24 @@ def parse_args() -> argparse.Namespace:
         help="trainer and generator on two simulated hosts (ProcessJob), CPU; adds RDMABuffer",
     )  # fmt: skip
     p.add_argument(
-        "--transports", default="cuda_ipc,broadcast,controller,rdma",
-        help="rows to time (cuda_ipc only where it applies, rdma only with --hosts); "
-        "the controller row needs ~4 extra copies of the weights in memory",
+        "--transports", nargs="+", default=["cuda_ipc", "full", "delta", "controller", "rdma"],
+        help="rows to time, space or comma separated: cuda_ipc (where it applies), full (the "
+        "whole-buffer broadcast; also 'broadcast'), delta, controller, rdma (only with "
+        "--hosts); the controller row needs ~4 extra copies of the weights in memory",
     )  # fmt: skip
-    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON")
+    p.add_argument(
+        "--changed", default="0.169,0.079",
+        help="fractions of the weights each simulated RL step changes before a delta sync "
+        "(the range measured at the 0.6B shape, scripts/measure_weight_delta.py)",
+    )  # fmt: skip
+    p.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"),
+        help="auto: CUDA when present (CPU with --smoke)",
+    )  # fmt: skip
+    p.add_argument(
+        "--out", default=os.environ.get("OUT", "."),
+        help="folder for bench_weight_sync.json, or a path ending in .json",
+    )  # fmt: skip
     p.add_argument("--flavor", default="0.6B")
     p.add_argument("--vocab", type=int, default=QWEN3_VOCAB)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -107,6 +96,10 @@ def parse_args() -> argparse.Namespace:
         help="GPU of the generator process (the trainer is on GPU 0): 1 = across two GPUs",
     )  # fmt: skip
     args = p.parse_args()
+    args.transports = [
+        {"broadcast": "full"}.get(t, t) for arg in args.transports for t in arg.split(",") if t
+    ]
+    args.changed = [float(f) for f in args.changed.split(",")]
     if args.smoke:
         args.flavor, args.vocab, args.repeats = "tiny", 96, 2
         args.dtype = "float32" if args.dtype == "bfloat16" else args.dtype
@@ -145,6 +138,27 @@ async def _timed(fn) -> float:
     t0 = time.perf_counter()
     await fn()
     return time.perf_counter() - t0
+
+
+class BenchTrainer(TrainerActor):
+    """The trainer actor plus what the benchmark needs: an RL step's worth of changed
+    weights, and what the last send put on the wire."""
+
+    @endpoint
+    async def perturb(self, fraction: float, seed: int) -> None:
+        """Move about `fraction` of every weight by 3% (enough to change its bf16 value)."""
+        g = torch.Generator(device=self.core.device).manual_seed(seed)
+        with torch.no_grad():
+            for p in self.core.model.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                mask = torch.rand(local.shape, generator=g, device=local.device) < fraction
+                local.mul_(torch.where(mask, 1.03, 1.0))
+        self.core.policy_version += 1
+
+    @endpoint
+    async def last_send(self) -> dict | None:
+        """The delta sender's {"mode", "changed", "bytes"} of its last send (None else)."""
+        return getattr(self.sync_side.sender, "last", None) if self.rank == 0 else None
 
 
 class RdmaSource(Actor):
@@ -194,7 +208,7 @@ async def run(args, device: str) -> dict:
         model = ModelConfig(flavor=args.flavor, max_seq_len=256)
         trainer = trainer_procs.spawn(
             "trainer",
-            TrainerActor,
+            BenchTrainer,
             model=model,
             training=TrainingConfig(dtype=args.dtype),
             loss=LossConfig(),
@@ -208,44 +222,72 @@ async def run(args, device: str) -> dict:
             "generator", GeneratorActor, model=model, engine=engine, vocab_size=args.vocab,
             device=device, gpu=args.generator_gpu if device == "cuda" else None,
         )  # fmt: skip
-        transport = await choose_transport(trainer, [generator])
+        backend = await broadcast_backend(trainer, [generator])
+        transport = await choose_transport(trainer, [generator], "auto", backend)
         out = await trainer.publish_weights.call(args.dtype)
         packed = [p for p in out.values() if p is not None][0]
-        results = {"chosen_transport": str(transport), "weight_bytes": packed.nbytes}
+        results = {"chosen_transport": transport, "weight_bytes": packed.nbytes, "rows": {}}
         del out, packed
-        wanted = args.transports.split(",")
-        transports = [WeightTransport.BROADCAST, WeightTransport.CONTROLLER]
-        if transport is WeightTransport.CUDA_IPC:
-            transports.insert(0, WeightTransport.CUDA_IPC)
-        rows = []  # (results key, transport, broadcast backend: None picks it)
-        for t in (t for t in transports if str(t) in wanted):
-            rows.append((str(t), t, None))
-            if t is WeightTransport.BROADCAST and device == "cuda":  # NCCL, then gloo via CPUs
-                rows.append(("broadcast_gloo", t, "gloo"))
-        for key, t, backend in rows:
-            sync = WeightSync(trainer, [generator], args.dtype, t)
-            if t is WeightTransport.BROADCAST:
-                await sync.open_broadcast(backend)
-            results[key] = await time_calls(sync, args.repeats)
-            results[key]["backend"] = sync.backend
-            side = None
-            if t is WeightTransport.CUDA_IPC:
-                side = lambda: trainer.share_weights.call(args.dtype, 1)  # noqa: E731
-            elif t is WeightTransport.CONTROLLER:
-                side = lambda: trainer.publish_weights.call(args.dtype)  # noqa: E731
-            if side is not None:
-                side_s = (await time_calls(side, args.repeats))["median_s"]
-                results[key]["trainer_side_median_s"] = side_s
-            print(f"{key}: {results[key]}", flush=True)
+        for key, name, backend, changed in bench_rows(args, transport, device):
+            sync = WeightSync(trainer, [generator], args.dtype, name)
+            await sync.open(backend)
+            row = await time_syncs(sync, trainer, args.repeats, changed)
+            row.update(transport=name, backend=sync.backend, changed=changed)
+            if TRANSPORTS[name].relay:
+                side = functools.partial(trainer.weights_send.call, sync.key)
+                row["trainer_side_median_s"] = (await time_calls(side, args.repeats))["median_s"]
+            row.setdefault("bytes", results["weight_bytes"])
+            await sync.close()
+            results["rows"][key] = row
+            print(f"{key}: {row}", flush=True)
         results["generator_version"] = await generator.policy_version.call_one()
         await generator.close.call_one()
-        if args.hosts and "rdma" in wanted:
-            results["rdma"] = await time_rdma(trainer_procs, generator_procs, args, results)
+        if args.hosts and "rdma" in args.transports:
+            results["rows"]["rdma"] = await time_rdma(trainer_procs, generator_procs, args, results)
         return results
     finally:
         await asyncio.gather(trainer_procs.stop(), generator_procs.stop())
         if job is not None:
             job.kill()
+
+
+def bench_rows(args, chosen: str, device: str) -> list[tuple[str, str, str | None, float]]:
+    """(row key, transport, group backend (None: the one picked), fraction changed per
+    sync) for each row asked for: cuda_ipc only where "auto" would pick it; a group
+    transport on GPUs also through CPU buffers (gloo); delta once per --changed."""
+    rows = []
+    for asked in args.transports:
+        name = {"full": "broadcast"}.get(asked, asked)
+        if name not in TRANSPORTS or (name == "cuda_ipc" and chosen != "cuda_ipc"):
+            continue
+        fractions = args.changed if name == "delta" else [0.0]
+        backends = [None] if TRANSPORTS[name].relay or device != "cuda" else [None, "gloo"]
+        for backend in backends:
+            for f in fractions:
+                key = (
+                    asked
+                    + (f"_{backend}" if backend else "")
+                    + (f"_{f:g}" if name == "delta" else "")
+                )
+                rows.append((key, name, backend, f))
+    return rows
+
+
+async def time_syncs(sync, trainer, repeats: int, changed: float) -> dict:
+    """Seconds per sync: one cold, then `repeats` timed, each after the trainer moved
+    `changed` of its weights (a simulated RL step, outside the time); bytes sent per warm
+    sync (the delta sender's count, when it is one)."""
+    times, sent = [], []
+    for i in range(repeats + 1):
+        if changed:
+            await trainer.perturb.call(changed, i)
+        times.append(await _timed(sync))
+        last = [x for x in (await trainer.last_send.call()).values() if x is not None]
+        sent.extend(x["bytes"] for x in last[:1] if i)
+    row = {"cold_s": times[0], "median_s": statistics.median(times[1:]), "min_s": min(times[1:])}
+    if sent:
+        row["bytes"] = statistics.median(sent)
+    return row
 
 
 async def time_rdma(trainer_procs, generator_procs, args, results) -> dict:
@@ -264,7 +306,9 @@ async def time_rdma(trainer_procs, generator_procs, args, results) -> dict:
 
 def main() -> None:
     args = parse_args()
-    device = "cuda" if torch.cuda.is_available() and not (args.smoke or args.hosts) else "cpu"
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     results = {
         "machine": torch.cuda.get_device_name() if device == "cuda" else platform.machine(),
         "torch": torch.__version__,
@@ -280,45 +324,48 @@ def main() -> None:
     # one GPU: the copy reads and writes its memory; two: the bytes cross the link once
     moved = (1 if results["generator_gpu"] else 2) * results["weight_bytes"]
     results["floor"] = {"median_s": floor, "copy_GBps": moved / floor / 1e9}
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_weight_sync.json").write_text(json.dumps(results, indent=2))
+    out = Path(args.out)
+    out = out if out.suffix == ".json" else out / "bench_weight_sync.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
     print_table(results)
 
 
+ROW_NAMES = {
+    "cuda_ipc": "ours (same host): CUDA IPC handle, device copy",
+    "broadcast": "{backend} broadcast, the whole buffer",
+    "delta": "{backend} delta, {changed:.1%} of the weights changed",
+    "controller": "packed CPU buffer through the controller",
+}
+
+
 def print_table(results: dict) -> None:
-    names = {
-        "cuda_ipc": "ours (same host): CUDA IPC handle, device copy",
-        "broadcast": f"ours: {results.get('broadcast', {}).get('backend')} broadcast, trainer "
-        "rank 0 -> generators",
-        "broadcast_gloo": "gloo broadcast, CPU buffers (GPU -> CPU -> GPU)",
-        "controller": "packed CPU buffer through the controller",
-        "rdma": f"RDMABuffer read_into ({results.get('rdma', {}).get('backend')}), transfer only",
-    }
     print(
         f"\n{results['shape']}, {results['dtype']}, {results['weight_bytes'] / 1e6:,.1f} MB, "
         f"{results['hosts']}, {results['machine']}, median of {results['repeats']}"
     )
-    print(
-        f"| {'transport':<52} | {'sync ms':>9} | {'GB/s':>6} | {'trainer side ms':>15} | {'cold ms':>9} |"
-    )
-    print(f"|{'-' * 54}|{'-' * 11}|{'-' * 8}|{'-' * 17}|{'-' * 11}|")
+    head = f"| {'transport':<52} | {'sync ms':>9} | {'MB sent':>9} | {'GB/s':>6} | {'trainer side ms':>15} | {'cold ms':>9} |"
+    print(head)
+    print("|" + "|".join("-" * (len(c) + 0) for c in head.split("|")[1:-1]) + "|")
     gb = results["weight_bytes"] / 1e9
-    for key, name in names.items():
-        if key in results:
-            r = results[key]
-            side = r.get("trainer_side_median_s")
-            side_text = f"{side * 1e3:>15.1f}" if side is not None else f"{'':>15}"
-            print(
-                f"| {name:<52} | {r['median_s'] * 1e3:>9.1f} | {gb / r['median_s']:>6.2f} | "
-                f"{side_text} | {r['cold_s'] * 1e3:>9.1f} |"
-            )
+    for key, r in results["rows"].items():
+        if key == "rdma":
+            name = f"RDMABuffer read_into ({r.get('backend')}), transfer only"
+        else:
+            name = ROW_NAMES[r["transport"]].format(**r)
+        side = r.get("trainer_side_median_s")
+        side_text = f"{side * 1e3:>15.1f}" if side is not None else f"{'':>15}"
+        sent = r.get("bytes", results["weight_bytes"]) / 1e6
+        print(
+            f"| {name:<52} | {r['median_s'] * 1e3:>9.1f} | {sent:>9.1f} | "
+            f"{gb / r['median_s']:>6.2f} | {side_text} | {r['cold_s'] * 1e3:>9.1f} |"
+        )
     f = results["floor"]
     how = "GPU 0 -> 1" if results.get("generator_gpu") else "read + write"
     floor_name = f"floor: one copy at {f['copy_GBps']:,.1f} GB/s ({how})"
     print(
-        f"| {floor_name:<52} | {f['median_s'] * 1e3:>9.2f} | {gb / f['median_s']:>6.2f} | "
-        f"{'':>15} | {'':>9} |"
+        f"| {floor_name:<52} | {f['median_s'] * 1e3:>9.2f} | {'':>9} | "
+        f"{gb / f['median_s']:>6.2f} | {'':>15} | {'':>9} |"
     )
 
 

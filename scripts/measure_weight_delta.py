@@ -29,9 +29,11 @@ weights), 50 warm-start steps, then 5 RL steps with AdamW at a constant learning
 (The tiny config's own lr 4e-4 with its 20-step warmup: 26.0% to 37.8% per step.) An Adam
 step moves every weight by about lr, so whether its bf16 word changes depends on lr against
 the bf16 spacing at the weight's magnitude (2^-8 relative). At this project's learning rates
-most words change every step, and a delta (positions + values) would be larger than the
-buffer: no delta transport is built. The 0.6B shape on one H200 (2026-11-26, the second command
-above, lr 3e-4): 33.3% of words changed in RL step 1, 15.6% by step 8 (docs/hosts.md).
+most words change every step on the tiny model. The 0.6B shape on one H200 (2026-11-26, the
+second command above, lr 3e-4): 33.3% of words changed in RL step 1, 15.6% by step 8
+(docs/hosts.md): what the delta transport (`weight_sync.transport = "delta"`: a bitmask plus
+the changed values, 1/16 of the bf16 buffer plus 2 bytes per changed word) rests on;
+scripts/bench_weight_sync.py --changed times it at such fractions.
 """
 
 from __future__ import annotations

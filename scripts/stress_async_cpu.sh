@@ -15,7 +15,7 @@ start)
   mkdir -p /tmp/stress
   for i in $(seq 0 $((n - 1))); do
     c=$((first + 2 * i)) extra=""
-    [ $((i % 3)) -eq 2 ] && extra="--launcher.weight_transport=controller"
+    [ $((i % 3)) -eq 2 ] && extra="--weight_sync.transport=controller"
     CUDA_VISIBLE_DEVICES= nohup taskset -c $c,$((c + 1)) ./run_train.sh \
       --parallelism.device=cpu --checkpoint.interval=0 --rollout.max_staleness=1 \
       --training.steps=$steps --job.seed=$i --job.output_dir=/tmp/stress \

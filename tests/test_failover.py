@@ -237,3 +237,84 @@ def test_a_replica_killed_mid_step_is_survived_and_the_run_replays_bit_for_bit(t
     assert fleet.replicas[1].name == "generator1_r1"
     assert started(pid) is None  # nothing left running: the killed process is gone...
     assert all(started(w["pid"]) != t for w, t in fleet.local_processes)  # ...its successor too
+
+
+def test_two_requests_rerouted_through_two_deaths_count_once_each_and_wait_for_a_replica():
+    replicas = [Replica(0), Replica(1)]
+
+    def on_down(index):
+        raise RuntimeError("the owner's trouble")  # logged; the call is still moved
+
+    router = Router(replicas, on_down=on_down)
+
+    async def main():
+        calls = [
+            asyncio.ensure_future(router(np.zeros(1, np.int32), request_id=f"r{i}"))
+            for i in range(2)
+        ]
+        await asyncio.sleep(0.01)
+        for replica in replicas:
+            replica.die.set()
+        await asyncio.sleep(0.1)
+        assert router.down == {0, 1} and not any(c.done() for c in calls)
+        router.replicas[1] = Replica(1)  # restarted
+        router.set_up(1)
+        return await asyncio.gather(*calls)
+
+    done = asyncio.run(main())
+    assert [c.metrics["replica"] for c in done] == [1.0, 1.0]
+    assert router.rerouted == 2  # requests, not attempts
+
+
+def test_replicas_restarted_while_none_is_up_get_weights_and_take_calls(tmp_path):
+    """No step can end (it waits on generation) to sync them in, so the fleet syncs them
+    itself once restarted."""
+    import contextvars
+
+    from torchtitan_rl.controller.fleet import Replica as FleetReplica
+    from torchtitan_rl.controller.replica import ActorGenerateFn
+
+    fleet, supervisor = _fleet(tmp_path)
+
+    class Actor:
+        def __init__(self, name):
+            self.name = name
+
+    async def respawn(replica, name):  # stands in for a new process
+        await asyncio.sleep(0.01)
+        return Actor(name)
+
+    synced = []
+
+    class Sync:
+        version = 5
+
+        async def __call__(self):
+            synced.append(fleet._members)
+
+    async def open_weight_sync():
+        fleet.weight_sync = Sync()
+        fleet._members = tuple(r.name for r in fleet.replicas if r.up or r.joining)
+
+    fleet._respawn, fleet.open_weight_sync = respawn, open_weight_sync
+    for i in range(2):
+        actor = Actor(replica_name(i))
+        fn = ActorGenerateFn(actor, replica_name(i), failover=True)
+        fleet.replicas.append(FleetReplica(index=i, name=replica_name(i), actor=actor, fn=fn))
+    fleet.router = Router([r.fn for r in fleet.replicas], on_down=fleet.replica_down)
+
+    async def main():
+        supervisor.install()
+        fleet._context = contextvars.copy_context()
+        fleet.replica_down(0)
+        fleet.replica_down(1)
+        await asyncio.wait_for(_until(lambda: all(r.up or r.joining for r in fleet.replicas)), 10)
+        await asyncio.sleep(0.05)
+        supervisor.uninstall()
+
+    asyncio.run(main())
+    # the first one back is synced at once and takes calls; the second, restarted while one
+    # is up, waits for the step's sync like any restart
+    assert fleet.version == 5 and synced == [("generator_r1",)]
+    assert [(r.up, r.joining) for r in fleet.replicas] == [(True, False), (False, True)]
+    assert fleet.router.down == {1}

@@ -73,8 +73,14 @@ def test_the_default_is_this_host_and_help_lists_the_section():
         ),
         (["--launcher.host_timeout_s=0"], "launcher.host_timeout_s must be >= 1, got 0"),
         (
-            ["--launcher.weight_transport=nccl"],
-            "launcher.weight_transport must be one of ('auto', 'broadcast', 'controller')",
+            ["--launcher.weight_transport=broadcast"],
+            "launcher.weight_transport moved to weight_sync.transport; set "
+            'weight_sync.transport = "broadcast"',
+        ),
+        (
+            ["--weight_sync.transport=nccl"],
+            "weight_sync.transport must be one of 'auto', 'cuda_ipc', 'broadcast', 'delta', "
+            "'controller'; got 'nccl'",
         ),
         (["--launcher.start_timeout_s=-1"], "launcher.start_timeout_s must be >= 0, got -1"),
     ],

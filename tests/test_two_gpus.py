@@ -19,7 +19,6 @@ if torch.cuda.device_count() < 2:
 
 from torchtitan_rl.config import load_config  # noqa: E402
 from torchtitan_rl.controller.loop import Controller  # noqa: E402
-from torchtitan_rl.weight_sync.transport import WeightTransport  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +88,7 @@ def test_three_rl_steps_on_two_gpus_hold_the_trainer_weights_bit_for_bit(
             f"--parallelism.trainer_procs={1 if backend == 'native' else 2}",
             f"--parallelism.placement={'split' if backend == 'native' else 'auto'}",
             f"--generator.backend={backend}",
-            f"--launcher.weight_transport={transport}",
+            f"--weight_sync.transport={transport}",
             "--generator.dtype=bfloat16",
             "--generator.max_num_seqs=16",
             "--generator.cuda_graphs=false",
@@ -128,11 +127,9 @@ def test_three_rl_steps_on_two_gpus_hold_the_trainer_weights_bit_for_bit(
 
     checks, chosen = asyncio.run(watched())
     if transport == "auto":
-        assert chosen is WeightTransport.CUDA_IPC
+        assert chosen == "cuda_ipc"
     else:
-        assert (
-            chosen is WeightTransport.BROADCAST and controller.fleet.weight_sync.backend == "nccl"
-        )
+        assert chosen == "broadcast" and controller.fleet.weight_sync.backend == "nccl"
     assert [(p, v) for p, v, _ in checks] == [(3, 3), (4, 4), (5, 5)]
     processes = json.loads((controller.run_dir / "processes.json").read_text())
     uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(2)]
@@ -162,7 +159,7 @@ def test_a_dead_generator_in_an_nccl_weight_group_ends_the_run_in_seconds(tmp_pa
             "--parallelism.device=cuda",
             "--parallelism.trainer_procs=1",
             "--parallelism.placement=split",
-            "--launcher.weight_transport=broadcast",
+            "--weight_sync.transport=broadcast",
             "--generator.max_num_seqs=16",
             "--generator.cuda_graphs=false",
             "--warm_start.steps=2",

@@ -44,7 +44,7 @@ class Fake026:
 
     def __init__(self):
         self.requests: dict[str, tuple[SimpleNamespace, list[int], list[str]]] = {}
-        self.weights = 0
+        self.sync_side = 0
         self.label = "0"
         self.events: list[str] = []
         self.engine_core = SimpleNamespace(shutdown=lambda: self.events.append("shutdown"))
@@ -59,7 +59,7 @@ class Fake026:
 
     def collective_rpc(self, method, kwargs):
         assert method == "reload_weights"
-        self.weights = int(dict(kwargs["weights_iterator"])["w"].item())
+        self.sync_side = int(dict(kwargs["weights_iterator"])["w"].item())
 
     def reset_prefix_cache(self, reset_running_requests=False):
         return reset_running_requests or not self.requests
@@ -67,7 +67,7 @@ class Fake026:
     def step(self):
         outputs = []
         for request_id, (params, tokens, labels) in list(self.requests.items()):
-            tokens.append(self.weights)
+            tokens.append(self.sync_side)
             labels.append(self.label)
             done = len(tokens) >= params.max_tokens
             if done:

@@ -1,13 +1,12 @@
 """Weight sync: the on-device gather equals the CPU packing bit for bit, a tied weight is
-packed once, the batched copy equals the per-tensor gather, the transport is chosen from
-which GPUs the processes see, every replica gets its own IPC handle, and (on a GPU) every
-generator holds the trainer's weights bit for bit after a CUDA IPC sync."""
+packed once, the batched copy equals the per-tensor gather, a broadcast delivers the buffer
+bit for bit, and (on a GPU) every generator holds the trainer's weights bit for bit after a
+CUDA IPC sync. The choice of transport: tests/test_weight_transport.py."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,16 +23,13 @@ from torchtitan_rl.models.qwen3 import ModelConfig, build_model
 from torchtitan_rl.training.trainer import TrainerCore
 from torchtitan_rl.training.trainer_config import TrainingConfig
 from torchtitan_rl.weight_sync import packing
-from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
 from torchtitan_rl.weight_sync.packing import (
-    SharedWeights,
     gather_into,
     make_layout,
     pack_weights,
     sharded_state,
     unpack_weights,
 )
-from torchtitan_rl.weight_sync.transport import WeightSync, WeightTransport, choose_transport
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 96
@@ -268,166 +264,6 @@ def test_a_tied_generator_applies_aliased_weights(one_rank, monkeypatch):
         assert torch.equal(params[name], t), name
 
 
-class _Values:
-    def __init__(self, values):
-        self._values = values
-
-    def values(self):
-        return self._values
-
-
-class _Endpoint:
-    def __init__(self, fn):
-        self.fn = fn
-
-    async def call(self, *args):
-        return _Values(self.fn(*args))
-
-    async def call_one(self, *args):
-        return self.fn(*args)
-
-
-class FakeTrainer:
-    """Two ranks; rank 0 answers (a GPU named "gpu-0", or none on CPU)."""
-
-    def __init__(self, uuid):
-        self.cuda_uuid = _Endpoint(lambda: [uuid, None])
-        self.version = 3
-        self.share_weights = _Endpoint(self._share)
-        self.publish_weights = _Endpoint(
-            lambda dtype: [pack_weights({"w": torch.ones(2)}, self.version), None]
-        )
-        self.open_broadcast = _Endpoint(
-            lambda dtype, receivers, backend: [SimpleNamespace(backend=backend), None]
-        )
-        self.form_broadcast = _Endpoint(lambda: [None, None])
-        self.broadcast_weights = _Endpoint(lambda: [self.version, None])
-
-    def _share(self, dtype, receivers):
-        handles = [{"storage_handle": b"h", "receiver": i} for i in range(receivers)]
-        return [
-            SharedWeights(version=self.version, layout=[], device_uuid="gpu-0", handles=handles),
-            None,
-        ]
-
-
-def test_a_broadcast_group_that_cannot_open_falls_back_to_the_controller():
-    trainer = FakeTrainer(None)
-
-    async def refuse(dtype, receivers, backend):
-        raise OSError("no free port")
-
-    trainer.open_broadcast.call = refuse
-    gens = [FakeGenerator([])]
-    sync = asyncio.run(WeightSync.create(trainer, gens, "float32"))
-    assert sync.transport is WeightTransport.CONTROLLER
-    asyncio.run(sync())
-    assert gens[0].loaded == [("packed", 3)]
-
-
-def test_a_broadcast_group_that_cannot_form_falls_back_to_the_controller():
-    """An address the generators cannot reach fails while the group forms, at start."""
-    trainer = FakeTrainer(None)
-
-    async def unreachable():
-        raise RuntimeError("DistStoreError: wait timeout after 60000ms, keys: /0/1")
-
-    trainer.form_broadcast.call = unreachable
-    gens = [FakeGenerator([])]
-    sync = asyncio.run(WeightSync.create(trainer, gens, "float32"))
-    assert sync.transport is WeightTransport.CONTROLLER
-
-
-def test_a_broken_broadcast_reports_the_death_a_generator_learns_of_later():
-    """The trainer's gloo error comes first; the generator's call fails a moment later with
-    Monarch's report of its dead host: that report is what the run says."""
-    from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-
-    trainer, gens = FakeTrainer(None), [FakeGenerator([]), FakeGenerator([])]
-
-    async def reset():
-        raise RuntimeError("gloo: Connection reset by peer")
-
-    async def dies_later():
-        await asyncio.sleep(0.2)
-        raise SupervisionError("generator on host generator_1: its host stopped answering")
-
-    trainer.broadcast_weights.call = reset
-    gens[1].receive_weights.call_one = dies_later
-    sync = WeightSync(trainer, gens, "float32", WeightTransport.BROADCAST)
-    with pytest.raises(SupervisionError, match="host generator_1"):
-        asyncio.run(sync())
-    sync.peer_failure_wait_s = 0.05  # the report comes too late: the gloo error, as one line
-    with pytest.raises(BroadcastBroken, match="the weight broadcast failed: .*reset by peer"):
-        asyncio.run(sync())
-
-
-class FakeGenerator:
-    def __init__(self, uuids, device="cpu"):
-        self.cuda_uuids = _Endpoint(lambda: uuids)
-        gpu = {"uuid": f"gpu-{device[5:]}"} if device.startswith("cuda") else {}
-        self.where = _Endpoint(lambda: {"role": "generator", "device": device, **gpu})
-        self.loaded = []
-        self.load_shared_weights = _Endpoint(
-            lambda shared, i: self.loaded.append(("ipc", shared.handles[i]["receiver"]))
-        )
-        self.load_weights = _Endpoint(lambda packed: self.loaded.append(("packed", packed.version)))
-        self.join_broadcast = _Endpoint(
-            lambda group, rank: self.loaded.append((group.backend, rank))
-        )
-        self.receive_weights = _Endpoint(lambda: self.loaded.append(("broadcast", 3)) or 3)
-
-
-def test_cuda_ipc_only_when_every_generator_sees_the_trainer_gpu():
-    def choose(trainer_uuid, *generator_uuids):
-        gens = [FakeGenerator(u) for u in generator_uuids]
-        return asyncio.run(choose_transport(FakeTrainer(trainer_uuid), gens))
-
-    assert choose("gpu-0", ["gpu-0"], ["gpu-1", "gpu-0"]) is WeightTransport.CUDA_IPC
-    assert choose("gpu-0", ["gpu-0"], ["gpu-1"]) is WeightTransport.BROADCAST  # other host
-    assert choose(None, []) is WeightTransport.BROADCAST  # CPU
-
-
-@pytest.mark.parametrize("wanted", ["broadcast", "controller"])
-def test_launcher_weight_transport_forces_the_transport(wanted):
-    gens = [FakeGenerator(["gpu-0", "gpu-1"], "cuda:1")]  # auto would pick CUDA IPC
-    sync = asyncio.run(WeightSync.create(FakeTrainer("gpu-0"), gens, "bfloat16", wanted))
-    assert sync.transport is WeightTransport(wanted)
-    assert sync.backend == ("nccl" if wanted == "broadcast" else None)
-
-
-def test_the_broadcast_group_is_nccl_only_when_every_member_is_on_a_gpu():
-    def backend(trainer_uuid, *devices):
-        gens = [FakeGenerator([], d) for d in devices]
-        sync = asyncio.run(WeightSync.create(FakeTrainer(trainer_uuid), gens, "float32"))
-        assert sync.transport is WeightTransport.BROADCAST
-        return sync.backend
-
-    assert backend("gpu-0", "cuda:1", "cuda:2") == "nccl"  # a GPU each (here: other hosts)
-    assert backend("gpu-0", "cuda:0", "cuda:1") == "gloo"  # one shares the trainer's GPU
-    assert backend("gpu-0", "cuda:1", "cuda:1") == "gloo"  # two generators share a GPU
-    assert backend("gpu-0", "cuda:1", "cpu") == "gloo"
-    assert backend(None, "cpu") == "gloo"
-
-
-@pytest.mark.parametrize("transport", list(WeightTransport))
-def test_every_replica_gets_the_weights_and_its_own_handle(transport):
-    gens = [FakeGenerator(["gpu-0"]) for _ in range(3)]
-    sync = WeightSync(FakeTrainer("gpu-0"), gens, "bfloat16", transport)
-    if transport is WeightTransport.BROADCAST:
-        asyncio.run(sync.open_broadcast())
-    asyncio.run(sync())
-    asyncio.run(sync())
-    if transport is WeightTransport.CUDA_IPC:
-        assert [g.loaded for g in gens] == [[("ipc", i)] * 2 for i in range(3)]
-    elif transport is WeightTransport.BROADCAST:  # member i + 1 of the group, then 2 syncs
-        assert [g.loaded for g in gens] == [  # the group: "gloo", the generators on CPU
-            [("gloo", i + 1)] + [("broadcast", 3)] * 2 for i in range(3)
-        ]
-    else:
-        assert [g.loaded for g in gens] == [[("packed", 3)] * 2] * 3
-
-
 async def _ipc_scenario(config):
     from torchtitan_rl.controller.loop import Controller
 
@@ -477,7 +313,7 @@ def test_generators_hold_the_trainer_weights_bit_for_bit_after_a_cuda_ipc_sync(
         ],
     )
     r = asyncio.run(_ipc_scenario(config))
-    assert r["transport"] is WeightTransport.CUDA_IPC
+    assert r["transport"] == "cuda_ipc"
     assert r["versions"] == [2] * replicas  # two syncs: start, end of warm start
     for weights in r["generators"]:
         assert sorted(weights) == sorted(r["trainer"])

@@ -4,8 +4,8 @@ generator process. Nothing below branches on the backend."""
 
 from __future__ import annotations
 
-import asyncio
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,14 +17,8 @@ from torchtitan_rl.generation.backends import traits
 from torchtitan_rl.generation.interface import EngineConfig, GenerationEngine, error_completion
 from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.types import Completion, SamplingParams
-from torchtitan_rl.weight_sync.broadcast import BroadcastGroup, BroadcastReceiver
-from torchtitan_rl.weight_sync.packing import (
-    PackedWeights,
-    SharedReader,
-    SharedWeights,
-    unpack_weights,
-    visible_cuda_uuids,
-)
+from torchtitan_rl.weight_sync.packing import unpack_weights, visible_cuda_uuids
+from torchtitan_rl.weight_sync.sides import ReceivingSide
 
 
 def build_engine(
@@ -59,9 +53,8 @@ class GeneratorActor(Actor):
         # sets the current GPU for this thread, which in Monarch 0.7 also runs every endpoint
         dev = self.device = pick_device(device, cpu_threads, gpu)
         self.engine = build_engine(model, engine, vocab_size, dev, hf_folder)
-        self.shared_reader = SharedReader(dev)
-        self.receiver: BroadcastReceiver | None = None
-        """This generator's side of the trainer's weight broadcast group (`join_broadcast`)."""
+        self.sync_side = ReceivingSide(dev)
+        """This generator's half of the current weight sync (weight_sync/sides.py)."""
 
     @concurrent_endpoint
     async def generate(
@@ -79,44 +72,23 @@ class GeneratorActor(Actor):
             return error_completion(request_id, f"{type(e).__name__}: {e}")
 
     @concurrent_endpoint
-    async def load_weights(self, packed: PackedWeights) -> int:
-        """Queue new weights; the engine applies them between steps. Returns the version.
-        The engine keeps the tensors until it applies them, so they get memory of their own:
-        one copy of the whole buffer (tied names stay views of one tensor)."""
-        own = PackedWeights(
-            version=packed.version, flat_P=packed.flat_P.clone(), layout=packed.layout
-        )
-        self.engine.load_weights(unpack_weights(own), packed.version)
-        return packed.version
-
-    @concurrent_endpoint
     async def cuda_uuids(self) -> list[str]:
-        """GPUs this process can open (a trainer GPU among them allows `load_shared_weights`)."""
+        """GPUs this process can open (a trainer GPU among them allows "cuda_ipc")."""
         return visible_cuda_uuids()
 
     @concurrent_endpoint
-    async def load_shared_weights(self, shared: SharedWeights, receiver: int) -> int:
-        """Copy the trainer's GPU buffer (CUDA IPC, `shared.handles[receiver]`) into this
-        process's memory, then queue it like `load_weights`. Returns the version once the
-        copy has finished: from then on the trainer may overwrite its buffer."""
-        packed = self.shared_reader.read(shared, receiver)
-        self.engine.load_weights(unpack_weights(packed), packed.version)
-        return packed.version
+    async def weights_join(self, key: str, transport: str, offer: Any, rank: int) -> None:
+        """Become member `rank` of weight sync `key` (its transport's group, if it has one),
+        leaving the sync joined before; returns once the group has formed (the trainer's
+        `weights_form` runs meanwhile)."""
+        await self.sync_side.join(key, transport, offer, rank)
 
     @concurrent_endpoint
-    async def join_broadcast(self, group: BroadcastGroup, rank: int) -> None:
-        """Become member `rank` of the trainer's weight group: returns once the group has
-        formed (the trainer's `form_broadcast` runs meanwhile)."""
-        receiver = BroadcastReceiver(group, rank, self.device)
-        await asyncio.to_thread(receiver.form)
-        self.receiver = receiver
-
-    @concurrent_endpoint
-    async def receive_weights(self) -> int:
-        """Wait for the trainer's next broadcast into a buffer of this process's own, then
-        queue it like `load_weights`. Returns the version received."""
-        assert self.receiver is not None, "join_broadcast first"
-        packed = await self.receiver.receive()
+    async def weights_receive(self, key: str, payload: Any, index: int) -> int:
+        """Receive the next version by sync `key`'s transport (`payload`: what the trainer
+        returned, for a transport through the controller) into memory of this process's
+        own, then queue it; the engine applies it between steps. Returns the version."""
+        packed = await self.sync_side.receive(key, payload, index)
         self.engine.load_weights(unpack_weights(packed), packed.version)
         return packed.version
 
@@ -149,5 +121,5 @@ class GeneratorActor(Actor):
     @concurrent_endpoint
     async def close(self) -> None:
         await self.engine.close()
-        self.shared_reader.close()
+        self.sync_side.close()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None

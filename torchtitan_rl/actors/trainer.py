@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from monarch.actor import Actor, current_rank, endpoint
@@ -17,17 +18,14 @@ from torchtitan_rl.training.checkpoint import load_trainer_state, save_trainer_s
 from torchtitan_rl.training.trainer import TrainerCore
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
 from torchtitan_rl.types import Microbatch
-from torchtitan_rl.weight_sync.broadcast import BroadcastGroup, BroadcastSender
 from torchtitan_rl.weight_sync.packing import (
     PackedWeights,
-    SharedBuffer,
-    SharedWeights,
     cuda_uuid,
     gather_into,
-    make_layout,
     pack_weights,
     sharded_state,
 )
+from torchtitan_rl.weight_sync.sides import SendingSide
 
 
 class TrainerActor(Actor):
@@ -66,10 +64,8 @@ class TrainerActor(Actor):
             tp=tp,
         )
         self.sft_optimizer = None
-        self.shared: SharedBuffer | None = None
-        """Rank 0's GPU buffer for same-host weight syncs, made by the first `share_weights`."""
-        self.sender: BroadcastSender | None = None
-        """Rank 0's side of the weight broadcast group, made by `open_broadcast`."""
+        self.sync_side = SendingSide(dev)
+        """Rank 0's half of the current weight sync (weight_sync/sides.py)."""
 
     @endpoint
     async def train_step(
@@ -95,7 +91,7 @@ class TrainerActor(Actor):
         """Every rank gathers; rank 0 returns the full weights as one packed CPU buffer in
         `dtype` ("float32" | "bfloat16"): the generator's dtype, so a bf16 generator gets
         half the bytes and the same values it would round to on load. Packed straight
-        from the shards (no fp32 full copy of the model); same values as `share_weights`."""
+        from the shards (no fp32 full copy of the model); same values as `weights_send`."""
         state = sharded_state(self.core.model)
         if self.rank != 0:
             gather_into(state, None)
@@ -114,63 +110,48 @@ class TrainerActor(Actor):
     @endpoint
     async def cuda_uuid(self) -> str | None:
         """Rank 0's GPU (None on other ranks and on CPU): generators that see this GPU can
-        take `share_weights`."""
+        take the "cuda_ipc" transport."""
         if self.rank != 0 or self.core.device.type != "cuda":
             return None
         return cuda_uuid(self.core.device)
 
     @endpoint
-    async def share_weights(self, dtype: str, receivers: int) -> SharedWeights | None:
-        """Every rank gathers on its GPU; rank 0 packs the full weights in `dtype` into its
-        GPU buffer (kept and reused across syncs) and returns CUDA IPC handles to it, one
-        per receiver. Same values as `publish_weights`."""
+    async def weights_open(
+        self, key: str, transport: str, dtype: str, receivers: int, backend: str
+    ) -> Any:
+        """Rank 0 opens weight sync `key` (a strategy of weight_sync/strategies.py) for
+        `receivers` generators, the weights in `dtype`; returns what they need to join (or
+        None). Replaces the sync opened before it. Other ranks: None."""
+        if self.rank != 0:
+            return None
         state = sharded_state(self.core.model)
-        if self.rank != 0:
-            gather_into(state, None)
-            return None
-        layout, numel = make_layout(state)
-        if self.shared is None or not self.shared.fits(layout, DTYPES[dtype]):
-            self.shared = SharedBuffer(layout, numel, DTYPES[dtype], self.core.device)
-        gather_into(state, self.shared.flat_P)
-        return self.shared.publish(self.core.policy_version, receivers)
+        return self.sync_side.open(
+            key, transport, state=state, dtype=DTYPES[dtype], receivers=receivers,
+            backend=backend,
+        )  # fmt: skip
 
     @endpoint
-    async def open_broadcast(
-        self, dtype: str, receivers: int, backend: str = "gloo"
-    ) -> BroadcastGroup | None:
-        """Rank 0 opens a broadcast group for itself and `receivers` generators (any hosts)
-        and returns where it meets; the weights travel in `dtype`, through NCCL from this
-        rank's GPU (`backend="nccl"`) or gloo from a CPU buffer. Other ranks: None."""
-        if self.rank != 0:
-            return None
-        layout, numel = make_layout(sharded_state(self.core.model))
-        device = self.core.device if backend == "nccl" else torch.device("cpu")
-        self.sender = BroadcastSender(layout, numel, DTYPES[dtype], receivers, device)
-        return self.sender.group
-
-    @endpoint
-    async def form_broadcast(self) -> None:
-        """Rank 0 meets every generator of the group (each in `join_broadcast` meanwhile)."""
+    async def weights_form(self, key: str) -> None:
+        """Rank 0 meets every generator of the sync (each in `weights_join` meanwhile)."""
         if self.rank == 0:
-            assert self.sender is not None, "open_broadcast first"
-            self.sender.form()
+            self.sync_side.form(key)
 
     @endpoint
-    async def broadcast_weights(self) -> int | None:
-        """Every rank gathers; rank 0 packs the full weights into its buffer and broadcasts
-        them to every generator of the group (which must be receiving meanwhile); returns
-        the version sent. Same values as `publish_weights`."""
+    async def weights_send(self, key: str) -> tuple[int, Any] | None:
+        """Every rank gathers; rank 0 packs the full weights and sends them by sync `key`'s
+        transport; returns (version, what the controller passes to each generator: None for
+        a group transport). Same values as `publish_weights`."""
         state = sharded_state(self.core.model)
         if self.rank != 0:
             gather_into(state, None)
             return None
-        assert self.sender is not None, "open_broadcast first"
-        layout, _ = make_layout(state)
-        if not self.sender.fits(layout, self.sender.flat_P.dtype):
-            raise RuntimeError("the weights' layout changed since the broadcast group opened")
-        gather_into(state, self.sender.flat_P)
-        self.sender.send(self.core.policy_version)
-        return self.core.policy_version
+        return self.sync_side.send(key, state, self.core.policy_version)
+
+    @endpoint
+    async def weights_close(self, key: str) -> None:
+        """Rank 0 drops sync `key` if it is still the current one (no collective)."""
+        if self.rank == 0:
+            self.sync_side.close(key)
 
     @endpoint
     async def save_checkpoint(self, folder: str) -> None:

@@ -26,9 +26,6 @@ _SLURM_TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
 """sbatch --time in the forms this section accepts: HH:MM:SS or D-HH:MM:SS."""
 _K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 """An RFC 1123 label: what Kubernetes accepts as a namespace."""
-TRANSPORT_CHOICES = ("auto", "broadcast", "controller")
-"""launcher.weight_transport (weight_sync/transport.py): "auto" picks CUDA IPC or broadcast;
-the other two force that transport (e.g. NCCL between GPUs of one host, as across hosts)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,11 +43,6 @@ class LauncherConfig:
     generator_hosts: int = 1
     """Hosts the generator replicas are spread over, round-robin (>= 1, at most
     generator.num_replicas)."""
-    weight_transport: str = "auto"
-    """How trainer rank 0's weights reach the generators. "auto": CUDA IPC where every
-    generator shares rank 0's host and sees its GPU, else "broadcast". "broadcast": a
-    process group of rank 0 and the generators (NCCL when each of them is on a GPU of its
-    own, else gloo). "controller": through the controller process (slowest; for debugging)."""
     host_timeout_s: int = 5
     """Seconds a host of the job may stay silent before its actors count as dead and the run
     ends (Monarch's get_actor_state_max_idle and get_proc_state_max_idle; >= 1). Monarch's
@@ -94,11 +86,6 @@ class LauncherConfig:
                 f'launcher.kind = "local" runs on this one host, but launcher.trainer_hosts='
                 f"{self.trainer_hosts} and launcher.generator_hosts={self.generator_hosts}; "
                 'use launcher.kind = "process", "slurm" or "kubernetes" for several hosts'
-            )
-        if self.weight_transport not in TRANSPORT_CHOICES:
-            raise ValueError(
-                f"launcher.weight_transport must be one of {TRANSPORT_CHOICES}; "
-                f"got {self.weight_transport!r}"
             )
         if self.host_timeout_s < 1:
             raise ValueError(f"launcher.host_timeout_s must be >= 1, got {self.host_timeout_s}")

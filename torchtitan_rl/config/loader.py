@@ -38,6 +38,7 @@ from torchtitan_rl.rollout.advantages import AdvantageConfig
 from torchtitan_rl.rollout.batcher import BatcherConfig
 from torchtitan_rl.rollout.rollouter import RolloutConfig
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
+from torchtitan_rl.weight_sync.config import WeightSyncConfig
 
 
 class ConfigError(ValueError):
@@ -50,6 +51,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     generator: EngineConfig = field(default_factory=EngineConfig)
@@ -242,6 +244,10 @@ def _coerce_field(key: str, value: Any, hint: Any, default: Any) -> Any:
         raise
 
 
+MOVED = {"launcher.weight_transport": "weight_sync.transport"}
+"""Keys that moved to another section: old name -> new name (a one-line error says where)."""
+
+
 def _apply_section(section: Any, values: dict[str, Any], source: str, name: str) -> None:
     """Set `values` on the dataclass `section`; `name` prefixes keys in errors. A dict
     field is updated key by key (a later --env.args.k=v keeps the file's other keys)."""
@@ -249,6 +255,11 @@ def _apply_section(section: Any, values: dict[str, Any], source: str, name: str)
     defaults = {f.name: f.default for f in dataclasses.fields(section)}
     valid = list(defaults)
     for key, value in values.items():
+        if f"{name}.{key}" in MOVED:
+            new = MOVED[f"{name}.{key}"]
+            raise ConfigError(
+                f"{source}: {name}.{key} moved to {new}; set {new} = {toml_value(value)}"
+            )
         if key not in valid:
             raise ConfigError(f"{source}: unknown key {name}.{key}; valid keys: {valid}")
         value = _coerce_field(f"{name}.{key}", value, hints[key], defaults[key])

@@ -111,6 +111,8 @@ class GeneratorFleet:
         self._all_down: asyncio.TimerHandle | None = None
         self._closed = False
         self._context: contextvars.Context | None = None
+        self._sync_lock = asyncio.Lock()
+        """One sync at a time: the step's, or one for replicas restarted while none was up."""
         """The context `start` ran in (restarts spawn processes in it)."""
 
     @property
@@ -156,11 +158,11 @@ class GeneratorFleet:
         again by `sync` when the membership changed)."""
         cfg = self.config
         members = [r for r in self.replicas if r.up or r.joining]
-        if self.weight_sync is not None and hasattr(self.weight_sync, "close"):
+        if self.weight_sync is not None:
             await self.weight_sync.close()
         self.weight_sync = await WeightSync.create(
             self.trainer, [r.actor for r in members], cfg.generator.dtype,
-            cfg.launcher.weight_transport,
+            cfg.weight_sync.transport,
         )  # fmt: skip
         self.weight_sync.peer_failure_wait_s = max(30.0, cfg.launcher.host_timeout_s + 20.0)
         self._members = tuple(r.name for r in members)
@@ -184,12 +186,16 @@ class GeneratorFleet:
     async def sync(self) -> float:
         """Every replica that is up, and every restarted one, gets the trainer's current
         weights; restarted ones take calls from then on. Returns the seconds it took."""
+        async with self._sync_lock:
+            return await self._sync()
+
+    async def _sync(self) -> float:
         t0 = time.perf_counter()
         for attempt in range(SYNC_ATTEMPTS):
             members = tuple(r.name for r in self.replicas if r.up or r.joining)
-            if self.weight_sync is None or members != self._members:
-                await self.open_weight_sync()
             try:
+                if self.weight_sync is None or members != self._members:
+                    await self.open_weight_sync()  # a member may die here too
                 await self.weight_sync()
                 break
             except Exception as e:
@@ -295,10 +301,18 @@ class GeneratorFleet:
             replica.joining = True
             logger.warning("%s restarted as %s; it takes calls after the next weight sync",
                            replica_name(replica.index), name)  # fmt: skip
+            if not any(r.up for r in self.replicas):
+                # no step can finish to sync them in: they get the trainer's weights now
+                # (newer than the batch in flight was started with; still within the bound)
+                try:
+                    await self.sync()
+                except Exception as e:
+                    logger.warning("weights for the restarted replicas: %s", e)
             return
 
     async def _respawn(self, replica: Replica, name: str):
         old = self.meshes.generators[replica.index]
+        self.supervisor.survived_death()  # stopping it may report its death again
         stopping = asyncio.ensure_future(_stop(old, replica.name))  # meanwhile, bounded
         self.restarts.add(stopping)
         stopping.add_done_callback(self.restarts.discard)
@@ -352,6 +366,7 @@ class GeneratorFleet:
         self._cancel_all_down()
         for task in list(self.restarts):
             task.cancel()
+        await asyncio.gather(*self.restarts, return_exceptions=True)
         for replica in self.replicas:
             if not (replica.up or replica.joining):
                 continue

@@ -71,7 +71,7 @@ class ActorGenerateFn:
         except ReplicaDown:
             return self._died(request_id)
         except Exception as e:
-            if is_death(e):
+            if is_death(e) or self._gone.is_set():  # a late error of a process known dead
                 return self._died(request_id)
             logger.warning("generate %s failed: %s", request_id, e)
             return None  # the call failed: the rollout becomes a generator error

@@ -209,12 +209,15 @@ class Supervisor:
             return None
         return self._failure((self._named_reports() or self.reports)[0])
 
-    async def _wait_for_named_report(self, timeout: float) -> None:
+    async def _wait_for_named_report(self, timeout: float, *, reported: bool = True) -> None:
         """Until a report names one of `names` (Monarch's own per-process actors, e.g. its
-        logger, may report the same death first), or `timeout` seconds."""
+        logger, may report the same death first), or `timeout` seconds. `reported`: a report
+        came already, so the wait also ends once every report was set aside as survived."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self.reports and not self._named_reports() and loop.time() < deadline:
+        while not self._named_reports() and loop.time() < deadline:
+            if reported and not self.reports:
+                break
             self._failed.clear()  # set again by the next report
             if self._named_reports():
                 break
@@ -287,7 +290,7 @@ class Supervisor:
         """The finished task's result, or its error as ActorFailure when it was a death."""
         error = None if task.cancelled() else task.exception()
         if isinstance(error, BroadcastBroken):
-            await self._wait_for_named_report(PEER_REPORT_WAIT_S)
+            await self._wait_for_named_report(PEER_REPORT_WAIT_S, reported=False)
         if isinstance(error, BroadcastBroken) and self.reports:
             raise self.failure() from error  # the death that broke it, named
         if error is not None:

@@ -33,11 +33,14 @@ serves (generation/batch_invariant.py). With no replica up, calls wait for one (
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from torchtitan_rl.types import Completion, GenerateFn, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class ReplicaDown(RuntimeError):
@@ -140,19 +143,31 @@ class Router:
         sampling: SamplingParams | None = None,
     ) -> Completion | None:
         cost = call_cost(prompt_ids, sampling)
+        moved = False
         while True:
-            await self._any_up.wait()
+            while len(self.down) == len(self.replicas):
+                await self._any_up.wait()
             index = self.pick(session_id)
+            replica = self.replicas[index]
             self._start(index, session_id, cost)
             try:
-                return await self.replicas[index](
+                return await replica(
                     prompt_ids, request_id=request_id, session_id=session_id, sampling=sampling
                 )
             except ReplicaDown:
-                if index not in self.down:
-                    self.set_down(index)
-                    if self.on_down is not None:
-                        self.on_down(index)
-                self.rerouted += 1
+                # only the replica's current process: a late failure of one already replaced
+                # must not take its successor down
+                if index not in self.down and self.replicas[index] is replica:
+                    self._went_down(index)
+                self.rerouted += not moved  # requests, not attempts
+                moved = True
             finally:
                 self._finish(index, session_id, cost)
+
+    def _went_down(self, index: int) -> None:
+        self.set_down(index)
+        if self.on_down is not None:
+            try:
+                self.on_down(index)
+            except Exception:  # the owner's trouble must not lose this call
+                logger.exception("on_down(%d) failed", index)

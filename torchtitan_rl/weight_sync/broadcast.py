@@ -6,13 +6,15 @@ host, InfiniBand or sockets across hosts), else gloo over TCP with CPU buffers.
     group rank 0      = trainer rank 0 (the source; it also serves the group's TCPStore)
     group rank i + 1  = generator replica i
 
-Once per run, rank 0 opens the group (`BroadcastSender`, a free port on its host) and
-returns a `BroadcastGroup` record: where to meet, plus the layout every receiver allocates
-for. Then every member forms the group at once (`form`, within FORM_TIMEOUT, and one small
-broadcast through it), so an address the generators cannot reach shows at start, where
-`WeightSync.create` falls back to the controller path. At each sync both sides enter the same
-two broadcasts: the policy version (one int64), then the packed buffer (`packing.py`
-layout).
+Once per `WeightSync` (at start, and again whenever the set of generators changes), rank 0
+opens a group (`BroadcastSender`, a free port on its host) and returns a `BroadcastGroup`
+record: where to meet, plus the layout every receiver allocates for. Then every member forms
+the group at once (`form`, within FORM_TIMEOUT, and one small broadcast through it), so an
+address the generators cannot reach shows at start, where `WeightSync.create` falls back to
+the controller path. At each sync both sides enter the same two broadcasts: the policy
+version (one int64), then the packed buffer (`packing.py` layout); weight_sync/delta.py sends
+only what changed instead. A group is left by dropping it (`close`: no collective, so a
+member that died cannot hang the others).
 
 Why gloo and not Monarch's RDMABuffer on CPU: without ibverbs RDMABuffer runs over its TCP
 fallback, slower than gloo's TCP (docs/hosts.md, "Measured here";
@@ -99,10 +101,11 @@ class BroadcastSender:
 
     def __init__(
         self, layout: Layout, numel: int, dtype: torch.dtype, receivers: int,
-        device: torch.device | None = None,
+        device: torch.device | None = None, previous: object = None,
     ):  # fmt: skip
         """`device`: a GPU makes the group NCCL and the buffer a GPU one (every receiver must
-        then be on a GPU too); the CPU makes it gloo."""
+        then be on a GPU too); the CPU makes it gloo. `previous`: the sender this one
+        replaces (unused here; weight_sync/delta.py keeps its base)."""
         device = device or torch.device("cpu")
         addr = os.environ.get("MASTER_ADDR") or socket.gethostname()  # what other hosts dial
         self.store = dist.TCPStore(
@@ -118,8 +121,14 @@ class BroadcastSender:
         """Filled by the caller (`gather_into`) before each `send`."""
         self._pg: dist.ProcessGroup | None = None
 
-    def fits(self, layout: Layout, dtype: torch.dtype) -> bool:
-        return layout == self.group.layout and dtype == self.group.dtype
+    @property
+    def offer(self) -> BroadcastGroup:
+        """What every receiver needs to join."""
+        return self.group
+
+    def buffer(self) -> torch.Tensor:
+        """The buffer the trainer packs the next version into."""
+        return self.flat_P
 
     def form(self) -> None:
         """Meet every receiver (each in `BroadcastReceiver.form` meanwhile)."""
@@ -131,13 +140,22 @@ class BroadcastSender:
         _broadcast(self._pg, torch.tensor([version], dtype=torch.int64, device=self.device))
         _broadcast(self._pg, self.flat_P)
 
+    def close(self) -> None:
+        """Leave the group without a word to the others (any of them may be dead)."""
+        self._pg = _drop(self._pg)
+        self.store = None
+
 
 class BroadcastReceiver:
     """A generator's side: member `rank` (>= 1) of `group`; each receive fills a new
     buffer (on `device`, a GPU, when the group is NCCL), which the engine keeps until it
     applies it."""
 
-    def __init__(self, group: BroadcastGroup, rank: int, device: torch.device | None = None):
+    def __init__(
+        self, group: BroadcastGroup, rank: int, device: torch.device | None = None,
+        previous: object = None,
+    ):  # fmt: skip
+        """`previous`: the receiver this one replaces (unused here; delta.py keeps its base)."""
         assert 1 <= rank < group.world_size, (rank, group.world_size)
         self.group = group
         self.rank = rank
@@ -174,7 +192,18 @@ class BroadcastReceiver:
         _broadcast(self._pg, flat_P)
         return PackedWeights(version=int(version.item()), flat_P=flat_P, layout=self.group.layout)
 
-    async def receive(self) -> PackedWeights:
+    async def receive(self, payload: None = None, index: int = 0) -> PackedWeights:
         """The next broadcast, waited for off the event loop (the engine keeps generating;
-        with NCCL its GPU work waits for the broadcast, see `receive_blocking`)."""
+        with NCCL its GPU work waits for the broadcast, see `receive_blocking`). Nothing
+        comes through the controller (`payload` is None)."""
         return await asyncio.to_thread(self.receive_blocking)
+
+    def close(self) -> None:
+        """Leave the group (a receive still waiting in it fails)."""
+        self._pg = _drop(self._pg)
+
+
+def _drop(pg: dist.ProcessGroup | None) -> None:
+    """Abort `pg` (no collective: an operation still waiting in it fails), then drop it."""
+    if pg is not None:
+        pg.abort()

@@ -1,18 +1,24 @@
-"""Moving the trainer's weights to every generator replica; the transport is chosen once.
+"""Moving the trainer's weights to every generator replica: `WeightSync`, the controller's
+side, over the strategies of weight_sync/strategies.py (chosen once per sync).
 
-- `CUDA_IPC`: trainer rank 0 and every generator on GPUs of one host. Rank 0 packs the weights
-  into a GPU buffer it keeps for the run and returns CUDA IPC handles to it; each generator
+- "cuda_ipc": trainer rank 0 and every generator on GPUs of one host. Rank 0 packs the
+  weights into a GPU buffer it keeps and returns CUDA IPC handles to it; each generator
   opens the buffer and copies it device to device. Only those handles pass through Monarch.
-- `BROADCAST`: anything else (CPU, other hosts). Rank 0 packs the weights and broadcasts
+- "broadcast": anything else (CPU, other hosts). Rank 0 packs the weights and broadcasts
   them in a process group of its own with every generator (weight_sync/broadcast.py): NCCL
   from its GPU buffer when every generator computes on a GPU, else gloo from a CPU buffer;
   the bytes never pass through the controller.
-- `CONTROLLER`: the fallback when the broadcast group cannot be opened (or forced with
-  `launcher.weight_transport = "controller"`). Rank 0 returns the
-  packed buffer on CPU and the controller passes it to each generator.
+- "delta": the same group, sending only the elements that changed since the version every
+  member holds (weight_sync/delta.py), a full send when one lacks it.
+- "controller": the fallback when a group cannot be opened (or forced with
+  `weight_sync.transport = "controller"`). Rank 0 returns the packed buffer on CPU and the
+  controller passes it to each generator.
 
 Either way a sync returns once every generator holds its own copy of version v, which its
-engine applies between engine steps (generation/engine.py, `weight_sync_mode`).
+engine applies between engine steps (generation/engine.py, `weight_sync_mode`). The set of
+generators is fixed per sync: after one dies, or one is restarted, the owner of the replicas
+closes the sync (`close`: no collective, a dead member cannot hang it) and creates a new one
+over the generators it now has.
 """
 
 from __future__ import annotations
@@ -20,34 +26,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from enum import StrEnum
+import uuid
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import ActorError
 
 from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
+from torchtitan_rl.weight_sync.config import AUTO_BY_BACKEND, TransportChoice
+from torchtitan_rl.weight_sync.strategies import TRANSPORTS, Transport, TransportName
 
 logger = logging.getLogger(__name__)
 
 
-class WeightTransport(StrEnum):
-    CUDA_IPC = "cuda_ipc"
-    BROADCAST = "broadcast"
-    CONTROLLER = "controller"
-
-
-async def choose_transport(trainer, generators, wanted: str = "auto") -> WeightTransport:
-    """CUDA_IPC when every generator process sees trainer rank 0's GPU, else BROADCAST; a
-    `wanted` other than "auto" is taken as it is."""
+async def choose_transport(
+    trainer, generators, wanted: TransportChoice = "auto", backend: str = "gloo"
+) -> TransportName:
+    """ "cuda_ipc" when every generator process sees trainer rank 0's GPU, else the group
+    transport measured faster for `backend` (config.AUTO_BY_BACKEND); a `wanted` other than
+    "auto" is taken as it is."""
     if wanted != "auto":
-        return WeightTransport(wanted)
+        return wanted
     uuids = [u for u in (await trainer.cuda_uuid.call()).values() if u]
-    if not uuids:
-        return WeightTransport.BROADCAST
-    seen = await asyncio.gather(*(g.cuda_uuids.call_one() for g in generators))
-    if all(uuids[0] in s for s in seen):
-        return WeightTransport.CUDA_IPC
-    return WeightTransport.BROADCAST
+    if uuids:
+        seen = await asyncio.gather(*(g.cuda_uuids.call_one() for g in generators))
+        if all(uuids[0] in s for s in seen):
+            return "cuda_ipc"
+    return AUTO_BY_BACKEND[backend]
 
 
 async def broadcast_backend(trainer, generators) -> str:
@@ -67,73 +71,96 @@ plus ~9 s; `Controller.start` sets it from host_timeout_s)."""
 
 class WeightSync:
     """`await weight_sync()` pushes the trainer's current weights, in `dtype` ("float32" |
-    "bfloat16", the generators' dtype), to every generator; returns the seconds it took."""
+    "bfloat16", the generators' dtype), to every generator of `generators`; returns the
+    seconds it took. `create` again for another set of generators (after `close`)."""
 
-    def __init__(self, trainer, generators, dtype: str, transport: WeightTransport):
+    def __init__(self, trainer, generators, dtype: str, transport: TransportName):
         self.trainer = trainer
         self.generators = list(generators)
         self.dtype = dtype
-        self.transport = transport
+        self.transport: TransportName = transport
+        """The name of the strategy in use (a key of strategies.TRANSPORTS)."""
+        self.key = uuid.uuid4().hex[:12]
+        """This sync's name on the trainer and the generators (a newer sync replaces it)."""
         self.version: int | None = None
         """The policy version the last sync delivered (None before the first)."""
         self.peer_failure_wait_s = PEER_FAILURE_WAIT_S
         self.backend: str | None = None
-        """The broadcast group's backend ("gloo" | "nccl") once it is open."""
+        """The group's backend ("gloo" | "nccl") for a group transport once it is open."""
+
+    @property
+    def strategy(self) -> Transport:
+        return TRANSPORTS[self.transport]
 
     @classmethod
-    async def create(cls, trainer, generators, dtype: str, wanted: str = "auto") -> WeightSync:
-        """The transport `choose_transport` picks, ready to use (a broadcast group opened);
-        CONTROLLER, with a warning, when the group cannot be opened."""
-        transport = await choose_transport(trainer, generators, wanted)
+    async def create(
+        cls, trainer, generators, dtype: str, wanted: TransportChoice = "auto"
+    ) -> WeightSync:
+        """The transport `choose_transport` picks, opened (a group formed); "controller",
+        with a warning, when it cannot be opened. Call again with another list of generators
+        when the set changes (`close` the old sync first)."""
+        backend = await broadcast_backend(trainer, generators)
+        transport = await choose_transport(trainer, generators, wanted, backend)
         sync = cls(trainer, generators, dtype, transport)
-        if sync.transport is WeightTransport.BROADCAST:
-            try:
-                await sync.open_broadcast()
-            except Exception as e:
-                logger.warning("weight broadcast group: %s; syncing through the controller", e)
-                sync.transport, sync.backend = WeightTransport.CONTROLLER, None
+        try:
+            await sync.open(backend)
+        except Exception as e:
+            if sync.transport == "controller":
+                raise
+            logger.warning("weight sync %s: %s; syncing through the controller", transport, e)
+            sync.transport = "controller"
+            await sync.open(backend)
         return sync
 
-    async def open_broadcast(self, backend: str | None = None) -> None:
-        """Trainer rank 0 opens the group; generator i becomes its member i + 1; all of them
-        form it together (within broadcast.FORM_TIMEOUT), so a trainer address the generators
-        cannot reach fails here, where `create` falls back to the controller path. `backend`:
-        None picks it (`broadcast_backend`); "gloo" forces CPU buffers (benchmarks)."""
+    async def open(self, backend: str | None = None) -> None:
+        """Trainer rank 0 opens the transport; generator i becomes its member i + 1; all of
+        them form it together (a group within broadcast.FORM_TIMEOUT, so a trainer address
+        the generators cannot reach fails here). `backend`: None picks it
+        (`broadcast_backend`); "gloo" forces CPU buffers (benchmarks)."""
         backend = backend or await broadcast_backend(self.trainer, self.generators)
-        out = await self.trainer.open_broadcast.call(self.dtype, len(self.generators), backend)
-        group = _rank0(out)
-        await asyncio.gather(
-            self.trainer.form_broadcast.call(),
-            *(g.join_broadcast.call_one(group, i + 1) for i, g in enumerate(self.generators)),
+        out = await self.trainer.weights_open.call(
+            self.key, self.transport, self.dtype, len(self.generators), backend
         )
-        self.backend = group.backend  # what rank 0 built (gloo for a CPU trainer)
+        offer = _rank0(out, allow_none=True)
+        await asyncio.gather(
+            self.trainer.weights_form.call(self.key),
+            *(
+                g.weights_join.call_one(self.key, self.transport, offer, i + 1)
+                for i, g in enumerate(self.generators)
+            ),
+        )
+        self.backend = None if self.strategy.relay else offer.backend  # what rank 0 built
 
     async def __call__(self) -> float:
         t0 = time.perf_counter()
-        if self.transport is WeightTransport.CUDA_IPC:
-            out = await self.trainer.share_weights.call(self.dtype, len(self.generators))
-            shared = _rank0(out)
-            self.version = shared.version
-            await asyncio.gather(
-                *(g.load_shared_weights.call_one(shared, i) for i, g in enumerate(self.generators))
-            )
-        elif self.transport is WeightTransport.BROADCAST:
-            self.version = await self._broadcast()
+        if self.strategy.relay:
+            version, payload = _rank0(await self.trainer.weights_send.call(self.key))
+            got = await asyncio.gather(
+                *(g.weights_receive.call_one(self.key, payload, i)
+                  for i, g in enumerate(self.generators))
+            )  # fmt: skip
         else:
-            packed = _rank0(await self.trainer.publish_weights.call(self.dtype))
-            self.version = packed.version
-            await asyncio.gather(*(g.load_weights.call_one(packed) for g in self.generators))
+            version, got = await self._collective()
+        assert got == [version] * len(got), (version, got)
+        self.version = version
         return time.perf_counter() - t0
 
-    async def _broadcast(self) -> int:
-        """One broadcast: the trainer sends while every generator receives. When one member
-        fails the others fail too, and a generator's call may fail only later, with Monarch's
-        report of the process that died (the more useful error): so after the first error
-        the others get PEER_FAILURE_WAIT_S to say theirs, and a death wins."""
+    async def close(self) -> None:
+        """Abandons this sync: the trainer drops its side (an open group is aborted, never
+        waited on), so a new sync can open over other generators. A generator drops its side
+        when it joins the next sync; nothing here calls a generator, which may be dead."""
+        await self.trainer.weights_close.call(self.key)
+
+    async def _collective(self) -> tuple[int, list[int]]:
+        """One send in the group: the trainer sends while every generator receives. When
+        one member fails the others fail too, and a generator's call may fail only later,
+        with Monarch's report of the process that died (the more useful error): so after the
+        first error the others get PEER_FAILURE_WAIT_S to say theirs, and a death wins."""
         calls = [
-            asyncio.ensure_future(self.trainer.broadcast_weights.call()),
-            *(asyncio.ensure_future(g.receive_weights.call_one()) for g in self.generators),
-        ]
+            asyncio.ensure_future(self.trainer.weights_send.call(self.key)),
+            *(asyncio.ensure_future(g.weights_receive.call_one(self.key, None, i))
+              for i, g in enumerate(self.generators)),
+        ]  # fmt: skip
         try:
             _, pending = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
             if pending:
@@ -150,9 +177,8 @@ class WeightSync:
             lines = [line.strip() for line in str(errors[0]).splitlines() if line.strip()]
             raise BroadcastBroken(f"the weight broadcast failed: {lines[-1]}") from errors[0]
         sent, *received = [c.result() for c in calls]
-        version = _rank0(sent)
-        assert received == [version] * len(received), (version, received)
-        return version
+        version, _ = _rank0(sent)
+        return version, received
 
 
 def _is_death(error: BaseException) -> bool:
@@ -162,8 +188,11 @@ def _is_death(error: BaseException) -> bool:
     return isinstance(error, SupervisionError)
 
 
-def _rank0(values):
-    """The one non-None value of a trainer mesh call (rank 0 answers, the others say None)."""
+def _rank0(values, allow_none: bool = False):
+    """The one non-None value of a trainer mesh call (rank 0 answers, the others say None);
+    `allow_none`: rank 0 may say None too (a transport with nothing to offer)."""
     found = [v for v in values.values() if v is not None]
+    if allow_none and not found:
+        return None
     assert len(found) == 1, f"expected one rank to answer, got {len(found)}"
     return found[0]
