@@ -151,7 +151,10 @@ def test_a_step_that_holds_its_thread_leaves_the_loop_serving_with_workers(
         try:
             return await asyncio.gather(
                 rollouter.run_single_rollout(
-                    sample, ScriptedGenerate(lambda c: "ok"), group_id=0, rollout_id=0,
+                    sample,
+                    ScriptedGenerate(lambda c: "ok"),
+                    group_id=0,
+                    rollout_id=0,
                     sampling=sampling,
                 ),  # fmt: skip
                 write_flag_once_the_step_waits(),
@@ -173,7 +176,10 @@ def test_close_stops_busy_and_idle_workers(tmp_path):
     async def go():
         rollout = asyncio.ensure_future(
             rollouter.run_single_rollout(
-                sample, ScriptedGenerate(lambda c: "ok"), group_id=0, rollout_id=0,
+                sample,
+                ScriptedGenerate(lambda c: "ok"),
+                group_id=0,
+                rollout_id=0,
                 sampling=sampling,
             )  # fmt: skip
         )

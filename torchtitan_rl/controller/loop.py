@@ -217,6 +217,7 @@ class Controller:
     async def close(self) -> None:
         """Stop the actors and meshes (bounded waits: an actor may be dead or stuck)."""
         await self.pipeline.close()
+        self.rollouter.close()  # env.workers processes
         for generator in self.generators:
             try:
                 await asyncio.wait_for(generator.close.call_one(), timeout=10)
