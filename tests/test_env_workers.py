@@ -116,8 +116,9 @@ def test_failures_become_the_same_error_rollouts_in_workers():
     assert in_workers["step_hangs"][0][1] == "env.step exceeded step_timeout_s=2.0"
 
 
-def test_a_blocking_step_times_out_and_a_dying_one_errors_while_others_finish():
-    outcomes = _outcomes(2, ["step_blocks", "ok", "step_exits", "ok"])
+@pytest.mark.parametrize("workers", [1, 2])  # 1: calls sent behind a stuck one run after it
+def test_a_blocking_step_times_out_and_a_dying_one_errors_while_others_finish(workers):
+    outcomes = _outcomes(workers, ["step_blocks", "ok", "step_exits", "ok"])
     assert [row[:2] for row in outcomes["step_blocks"]] == [
         (RolloutStatus.ERROR_TIMEOUT, "env.step exceeded step_timeout_s=2.0")
     ] * 2
