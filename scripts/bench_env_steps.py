@@ -9,7 +9,8 @@ countdown solver is this kind of code: it holds the GIL). The generator is a fak
 at once, so the env is the only work. Each row runs one `Rollouter.collect_batch` of
 groups x group_size rollouts x turns turns after a warm-up batch (worker start-up is not
 timed). "Controller CPU" is the CPU time of the controller's process (its threads
-included, the worker processes not): what the loop's process spends. While it runs, a 1 ms asyncio timer measures how late the loop serves it ("lag"): the
+included, the worker processes not): what the loop's process spends; "worker CPU" the
+worker processes' (warm-up included). While it runs, a 1 ms asyncio timer measures how late the loop serves it ("lag"): the
 delay every other coroutine of the controller sees, the generators' hand-backs among them.
 Rows: the event loop (workers 0), worker processes, and the alternative not taken, a pool of
 threads (`threads N`: each call runs on an executor thread). The floor is the CPU work
@@ -23,6 +24,7 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import resource
 import statistics
 import sys
 import threading
@@ -176,10 +178,18 @@ def run_row(kind: str, n: int, args: argparse.Namespace, iterations: int) -> dic
             "lag_median_ms": 1e3 * statistics.median(lags), "warmup_s": warm_s,
         }  # fmt: skip
 
+    children = _children_cpu_s()
     try:
-        return asyncio.run(go())
+        row = asyncio.run(go())
     finally:
         rollouter.close()
+    row["workers_cpu_s"] = _children_cpu_s() - children  # reaped by close: counted now
+    return row
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -213,14 +223,15 @@ def main() -> None:
         f"{cores} cores; floor: {work_s:.2f} s serial, {work_s / cores:.2f} s on {cores} cores"
     )
     print(
-        "| row | seconds | turns/s | vs event loop | controller CPU s | "
+        "| row | seconds | turns/s | vs event loop | controller CPU s | worker CPU s | "
         "loop lag max ms | p99 ms | median ms |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['row']} | {r['seconds']:.2f} | {r['turns_per_s']:,.0f} | "
-            f"{base / r['seconds']:.2f}x | {r['controller_cpu_s']:.2f} | {r['lag_max_ms']:.1f} | "
+            f"{base / r['seconds']:.2f}x | {r['controller_cpu_s']:.2f} | "
+            f"{r['workers_cpu_s']:.2f} | {r['lag_max_ms']:.1f} | "
             f"{r['lag_p99_ms']:.1f} | {r['lag_median_ms']:.2f} |"
         )
     result = {"cost_ms": 1e3 * cost_s, "cores": cores, "floor_serial_s": work_s, "rows": rows}
