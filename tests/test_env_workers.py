@@ -141,7 +141,7 @@ def test_a_step_that_holds_its_thread_leaves_the_loop_serving_with_workers(
     env_config = EnvConfig(step_timeout_s=300.0, workers=workers)
     rollouter = rollouter_for(WaitingEnvironment(env_config), env_config)
     sample = {"folder": str(tmp_path), "wait_s": wait_s}
-    sampling = rollouter._config.sampling_params(seed=0, max_tokens=8, stop_token_ids=())
+    sampling = RolloutConfig().sampling_params(seed=0, max_tokens=8, stop_token_ids=())
 
     async def write_flag_once_the_step_waits():
         while not (tmp_path / "started").exists():
@@ -172,7 +172,7 @@ def test_close_stops_busy_and_idle_workers(tmp_path):
     env_config = EnvConfig(step_timeout_s=300.0, workers=2)
     rollouter = rollouter_for(WaitingEnvironment(env_config), env_config)
     sample = {"folder": str(tmp_path), "wait_s": 600.0}  # waits for a flag never written
-    sampling = rollouter._config.sampling_params(seed=0, max_tokens=8, stop_token_ids=())
+    sampling = RolloutConfig().sampling_params(seed=0, max_tokens=8, stop_token_ids=())
 
     async def go():
         rollout = asyncio.ensure_future(
@@ -186,7 +186,7 @@ def test_close_stops_busy_and_idle_workers(tmp_path):
         )
         while not (tmp_path / "started").exists():
             await asyncio.sleep(0.01)
-        pids = rollouter._calls.pids()
+        pids = [p.pid for p in multiprocessing.active_children()]  # the workers
         rollouter.close()
         with pytest.raises(asyncio.CancelledError):
             await rollout
@@ -220,3 +220,26 @@ def test_an_unpicklable_env_errors_its_rollouts():
     assert all(r.status is RolloutStatus.ERROR_ENV for r in rollouts)
     assert "env.workers=1 sends ScriptedEnv to a worker process" in rollouts[0].error
     assert math.isfinite(rollouts[0].reward) and rollouts[0].reward == 0.0
+
+
+def test_a_rubric_the_workers_cannot_load_stops_the_batch_with_one_line(monkeypatch):
+    import sys
+    import types
+
+    from torchtitan_rl.envs.base import Rubric
+
+    ghost = types.ModuleType("ghost_rubric")  # importable here only, not in a new process
+    exec("def reward(rollout):\n    return 1.0", ghost.__dict__)
+    ghost.reward.__module__ = "ghost_rubric"
+    monkeypatch.setitem(sys.modules, "ghost_rubric", ghost)
+    env_config = EnvConfig(workers=1)
+    environment = PlanEnvironment(env_config, seed=0)
+    environment.rubric = lambda: Rubric([("reward", ghost.reward, 1.0)])
+    rollouter = rollouter_for(environment, env_config, prompts_per_step=1)
+    with pytest.raises(RuntimeError) as e:
+        collect(rollouter, ScriptedGenerate(lambda c: "ok"), [0])
+    assert str(e.value) == (
+        "env.workers=1: a worker process cannot load the rubric: "
+        "ModuleNotFoundError: No module named 'ghost_rubric'"
+    )
+    assert multiprocessing.active_children() == []

@@ -101,7 +101,8 @@ class EnvWorkers:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started: asyncio.Future | None = None
         """Done once every first worker said ready (or one could not start)."""
-        self._closed = False
+        self._closed: str | None = None
+        """Why calls are refused: closed, or no worker could start."""
 
     async def init(self, env: MessageEnv) -> tuple[MessageEnv, list[Message]]:
         return await self._run(("init", env))
@@ -112,13 +113,9 @@ class EnvWorkers:
     async def score(self, rollout: Rollout) -> Score:
         return await self._run(("score", rollout))
 
-    def pids(self) -> list[int]:
-        """The worker processes' ids (for tests and diagnostics)."""
-        return [w.process.pid for w in self._workers if w.process.pid is not None]
-
     async def _run(self, call: tuple[Any, ...]) -> Any:
-        if self._closed:
-            raise RuntimeError("EnvWorkers is closed")
+        if self._closed is not None:
+            raise RuntimeError(self._closed)
         if self._started is None:
             self._loop = asyncio.get_running_loop()
             self._started = self._loop.create_future()
@@ -250,7 +247,7 @@ class EnvWorkers:
             if future is not None and not future.done():
                 future.set_exception(error)
         self._queue.clear()
-        self.close()
+        self.close(why)
 
     def _stop(self, worker: _Worker, *, wait_s: float) -> None:
         """Ask the worker to exit, kill it after `wait_s` (at once when busy), reap it."""
@@ -269,10 +266,10 @@ class EnvWorkers:
         worker.process.join(timeout=STOP_WAIT_S)
         worker.conn.close()
 
-    def close(self) -> None:
+    def close(self, why: str = "the env workers are closed") -> None:
         """Stop every worker (an idle one exits, a busy or stuck one is killed) and cancel
-        the calls still waiting; nothing is left running."""
-        self._closed = True
+        the calls still waiting; nothing is left running. Later calls raise `why`."""
+        self._closed = self._closed or why
         workers, self._workers = self._workers, []
         for worker in workers:
             busy = bool(worker.calls)
