@@ -51,6 +51,7 @@ TINY = Path(__file__).resolve().parents[1] / "train_configs" / "alphabet_sort_ti
         ("--generator.max_num_seqs=0", "generator.max_num_seqs must be >= 1, got 0"),
         ("--generator.num_blocks=-1", "generator.num_blocks must be 0 or >="),
         ("--env.step_timeout_s=nan", "env.step_timeout_s must be a finite number > 0"),
+        ("--env.workers=-1", "env.workers must be >= 0 (0: on the event loop), got -1"),
         ("--env.args.reward_power=inf", "env.args.reward_power must be finite and > 0, got inf"),
         (
             "--training.steps=99999999999999999999999",

@@ -161,23 +161,28 @@ def test_rewards_come_from_the_datasets_scorer():
     assert group.rollouts[0].reward_breakdown == {"score_answer": 1.0}
 
 
-def _prime_factorization():
-    config = _config("--env.name=reasoning_gym:prime_factorization")
+def _prime_factorization(*overrides: str):
+    config = _config("--env.name=reasoning_gym:prime_factorization", *overrides)
     return build_environment(config.env, config.job.seed, config.env_args())
 
 
-def test_a_scorer_that_raises_on_a_malformed_reply_scores_it_zero_and_trains_on_it():
+@pytest.mark.parametrize("workers", [0, 1])  # 1: the environment pickles to a worker
+def test_a_scorer_that_raises_on_a_malformed_reply_scores_it_zero_and_trains_on_it(workers):
     from torchtitan_rl.controller.metrics import batch_metrics
     from torchtitan_rl.rollout.rollouter import CollectedBatch
 
-    env = _prime_factorization()
+    env = _prime_factorization(f"--env.workers={workers}")
     sample = env.train_sample(0)
     replies = [f"<answer>{sample['answer']}</answer>", "<answer>seven</answer>"]
     entry = env.dataset[sample["index"]]
     with pytest.raises(ValueError, match="invalid literal for int"):
         env.dataset.score_answer("seven", entry)  # the dataset's own scorer raises
     generate = ScriptedGenerate(lambda call: replies[int(call.request_id.split("=")[3][0])])
-    group = asyncio.run(_rollouter(env, 2).run_group_rollouts(sample, generate, group_id=0, step=1))
+    rollouter = _rollouter(env, 2)
+    try:
+        group = asyncio.run(rollouter.run_group_rollouts(sample, generate, group_id=0, step=1))
+    finally:
+        rollouter.close()
     right, malformed = group.rollouts
     assert {right.status, malformed.status} == {RolloutStatus.COMPLETED}
     assert (right.reward, malformed.reward) == (1.0, 0.0)

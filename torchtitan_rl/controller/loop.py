@@ -150,6 +150,7 @@ class Controller:
     async def close(self) -> None:
         """Stop the actors and meshes (bounded waits: an actor may be dead or stuck)."""
         await self.pipeline.close()
+        self.rollouter.close()  # env.workers processes
         await self.fleet.close()
         await stop_all(self.meshes)  # with several hosts, the job's hosts too
         await kill_leftovers(self.local_processes + self.fleet.local_processes)

@@ -40,6 +40,14 @@ class EnvConfig:
     """Token budget of one rollout: the first prompt plus every completion and env reply, >= 1."""
     step_timeout_s: float = 30.0
     """Seconds one `MessageEnv.init` or `step` call may take before the rollout errors, > 0."""
+    workers: int = 0
+    """Worker processes that run `MessageEnv.init` / `step` and the rubric's scoring, >= 0.
+    0: on the controller's event loop. N: in N processes, so pure-Python steps and scorers
+    that cost milliseconds (a reasoning-gym scorer) run in parallel and the loop stays free
+    to serve the generators; the rubric and each MessageEnv must pickle (each call carries
+    its env there and back). There, scoring is bounded by step_timeout_s too, and a call
+    past it kills its worker (replaced) and errors only its own rollout. An env that waits on
+    I/O with `await` gains nothing from it. Measured in docs/benchmarks.md (env steps)."""
     args: dict[str, Any] = field(default_factory=dict)
     """The environment's own settings (TOML table [env.args], overrides --env.args.key=v),
     checked against its `config_class`; unset keys keep that dataclass's defaults."""
@@ -53,6 +61,8 @@ class EnvConfig:
             raise ValueError(
                 f"env.step_timeout_s must be a finite number > 0, got {self.step_timeout_s}"
             )
+        if self.workers < 0:
+            raise ValueError(f"env.workers must be >= 0 (0: on the event loop), got {self.workers}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -138,6 +138,12 @@ class ReasoningGym(Environment):
         self.size: int = values["size"]
         self._entry = lru_cache(maxsize=ENTRY_CACHE)(self.dataset.__getitem__)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as what builds it (its class is made at run time and its entry cache does
+        not pickle), so env.workers processes can run its rubric."""
+        args = {f.name: getattr(self.args, f.name) for f in dataclasses.fields(self.args)}
+        return _rebuild, (self.dataset_name, self.config, self.seed, args)
+
     def _draw(self, rng: random.Random) -> dict[str, Any]:
         index = rng.randrange(self.size)
         entry = self._entry(index)
@@ -200,3 +206,8 @@ class ReasoningGym(Environment):
             )
         reply = f"<answer>{sample['answer']}</answer>"
         return [*self._prompt(sample), {"role": "assistant", "content": reply}]
+
+
+def _rebuild(dataset: str, config: EnvConfig, seed: int, args: dict[str, Any]) -> ReasoningGym:
+    cls = reasoning_gym_environment(dataset)
+    return cls(config, seed, cls.config_class(**args))

@@ -27,6 +27,8 @@ import numpy as np
 from torchtitan_rl.checks import check_range
 from torchtitan_rl.envs.base import EpisodeEnvironment, draw_train_sample
 from torchtitan_rl.rollout.advantages import group_has_signal
+from torchtitan_rl.rollout.env_calls import EnvCallFailed, EnvCalls, LocalCalls
+from torchtitan_rl.rollout.env_workers import EnvWorkers
 from torchtitan_rl.rollout.token_env import TokenEnv, TokenEnvError
 from torchtitan_rl.types import (
     EndsSessions,
@@ -207,6 +209,12 @@ class Rollouter:
         self._config = config
         self._seed = seed
         self._rubric = environment.rubric()
+        self._calls: EnvCalls = (
+            EnvWorkers(env_config.workers, self._rubric, timeout_s=env_config.step_timeout_s)
+            if env_config.workers
+            else LocalCalls(env_config.step_timeout_s, self._rubric)
+        )
+        """Where env steps and scoring run: this event loop, or env.workers processes."""
         self.stop_sequences = tuple(renderer.stop_sequence(s) for s in config.stop)
         self._fewest_kept: int | None = None
         """The fewest groups a step kept after its refills, once a step fell short: the
@@ -234,9 +242,10 @@ class Rollouter:
         if isinstance(self._environment, EpisodeEnvironment):
             return await self._play_episode(rollout, generate_fn, sampling=sampling, step=step)
         try:
-            env = TokenEnv(self._environment.make_env(sample), self._renderer, self._env_config)
+            message_env = self._environment.make_env(sample)
         except Exception as e:  # a user env failing is recorded on the rollout, not fatal
             return _fail(rollout, RolloutStatus.ERROR_ENV, _describe(e), traceback.format_exc())
+        env = TokenEnv(message_env, self._renderer, self._env_config, self._calls)
         try:
             prompt_ids = await env.reset()
         except TokenEnvError as e:
@@ -252,7 +261,7 @@ class Rollouter:
         rollout.messages = list(env.messages)
         rollout.status = status
         if not status.is_error():
-            self._score(rollout)
+            await self._score(rollout)
         return rollout
 
     async def _play_episode(
@@ -284,7 +293,7 @@ class Rollouter:
             if isinstance(generate_fn, EndsSessions):
                 generate_fn.end_session(rollout.session_id)
         if not rollout.status.is_error():
-            self._score(rollout)
+            await self._score(rollout)
         return rollout
 
     async def _play_turns(
@@ -338,11 +347,15 @@ class Rollouter:
             prompt_ids = result.next_prompt_ids
             turn += 1
 
-    def _score(self, rollout: Rollout) -> None:
+    async def _score(self, rollout: Rollout) -> None:
         try:
-            reward, breakdown = self._rubric.score(rollout)
-        except Exception as e:  # a failing reward fn marks the rollout, never a silent 0
-            _fail(rollout, RolloutStatus.ERROR_REWARD, _describe(e), traceback.format_exc())
+            reward, breakdown, rollout.scorer_error = await self._calls.score(rollout)
+        except EnvCallFailed as e:  # a failing reward fn marks the rollout, never a silent 0
+            _fail(rollout, RolloutStatus.ERROR_REWARD, e.error, e.details)
+            return
+        except TimeoutError:  # only a worker process bounds scoring
+            error = f"scoring exceeded env.step_timeout_s={self._env_config.step_timeout_s}"
+            _fail(rollout, RolloutStatus.ERROR_TIMEOUT, error)
             return
         error = _reward_error(reward, breakdown)
         if error is not None:
@@ -350,6 +363,10 @@ class Rollouter:
             return
         rollout.reward = float(reward)
         rollout.reward_breakdown = {k: float(v) for k, v in breakdown.items()}
+
+    def close(self) -> None:
+        """Stop the env worker processes (env.workers > 0); nothing is left running."""
+        self._calls.close()
 
     async def run_group_rollouts(
         self, sample: dict[str, Any], generate_fn: GenerateFn, *, group_id: int, step: int

@@ -25,22 +25,18 @@ Limits (from EnvConfig), checked in this order after each completion:
 
 from __future__ import annotations
 
-import asyncio
-import traceback
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from torchtitan_rl.envs.base import StepResult
+from torchtitan_rl.rollout.env_calls import EnvCallFailed, EnvCalls, LocalCalls
 from torchtitan_rl.types import Completion, FinishReason, Message, RolloutStatus
 
 if TYPE_CHECKING:
     from torchtitan_rl.envs.base import EnvConfig, MessageEnv
     from torchtitan_rl.models.renderer import Renderer
-
-_T = TypeVar("_T")
 
 
 class TokenEnvError(Exception):
@@ -78,8 +74,17 @@ class TokenStep:
 class TokenEnv:
     """One rollout's conversation in token space; create one per rollout."""
 
-    def __init__(self, env: MessageEnv, renderer: Renderer, config: EnvConfig) -> None:
+    def __init__(
+        self,
+        env: MessageEnv,
+        renderer: Renderer,
+        config: EnvConfig,
+        calls: EnvCalls | None = None,
+    ) -> None:
+        """`calls` runs the env's init and step (default: on this event loop, bounded by
+        `config.step_timeout_s`); with worker processes the env comes back as a new object."""
         self._env = env
+        self._calls: EnvCalls = calls or LocalCalls(config.step_timeout_s)
         self._renderer = renderer
         self._config = config
         self._messages: list[Message] = []
@@ -102,13 +107,11 @@ class TokenEnv:
     async def reset(self) -> np.ndarray:
         """Start the episode; returns the first prompt ids. Raises TokenEnvError on env failure."""
         try:
-            first = await self._with_timeout(self._env.init())
+            self._env, first = await self._calls.init(self._env)
         except TimeoutError as e:
             raise TokenEnvError(RolloutStatus.ERROR_TIMEOUT, self._timeout_message("init")) from e
-        except Exception as e:  # a user env failing is recorded on the rollout, not fatal
-            raise TokenEnvError(
-                RolloutStatus.ERROR_ENV, _describe(e), traceback.format_exc()
-            ) from e
+        except EnvCallFailed as e:  # a user env failing is recorded on the rollout, not fatal
+            raise TokenEnvError(RolloutStatus.ERROR_ENV, e.error, e.details) from e
         try:
             self._messages = _checked_messages(first, f"{self._name}.init")
         except ValueError as e:
@@ -137,19 +140,19 @@ class TokenEnv:
             return _ended(RolloutStatus.TRUNCATED_LENGTH, assistant_text=text)
 
         try:
-            result = await self._with_timeout(self._env.step(text))
+            self._env, result = await self._calls.step(self._env, text)
         except TimeoutError:
             return _ended(
                 RolloutStatus.ERROR_TIMEOUT,
                 assistant_text=text,
                 error=self._timeout_message("step"),
             )
-        except Exception as e:  # a user env failing is recorded on the rollout, not fatal
+        except EnvCallFailed as e:  # a user env failing is recorded on the rollout, not fatal
             return _ended(
                 RolloutStatus.ERROR_ENV,
                 assistant_text=text,
-                error=_describe(e),
-                error_details=traceback.format_exc(),
+                error=e.error,
+                error_details=e.details,
             )
 
         where = f"{self._name}.step (turn {self._num_turns - 1})"
@@ -180,9 +183,6 @@ class TokenEnv:
             return _ended(RolloutStatus.TRUNCATED_PROMPT, **turn)
         self._prompt_ids = next_prompt
         return TokenStep(next_prompt_ids=next_prompt, done=False, status=None, **turn)
-
-    async def _with_timeout(self, awaitable: Awaitable[_T]) -> _T:
-        return await asyncio.wait_for(awaitable, timeout=self._config.step_timeout_s)
 
     def _timeout_message(self, what: str) -> str:
         return f"env.{what} exceeded step_timeout_s={self._config.step_timeout_s}"

@@ -1,0 +1,245 @@
+"""env.workers: environment steps and scoring in worker processes (rollout/env_workers.py).
+
+Worker processes give the same rollouts as the event loop (tokens, rewards, error lines),
+keep the loop serving while a step holds its thread, time out and kill a stuck step without
+holding up the others, and leave nothing running after close."""
+
+import asyncio
+import math
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+from fakes import FakeRenderer, ScriptedGenerate
+from pool_envs import PLANS, PlanEnvironment, WaitingEnvironment
+
+from torchtitan_rl.envs.alphabet_sort import AlphabetSort, gold_reply
+from torchtitan_rl.envs.base import EnvConfig
+from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
+from torchtitan_rl.types import RolloutStatus
+
+SAME_EVERYWHERE = [p for p in PLANS if p not in ("step_blocks", "step_exits")]
+"""Plans the event loop survives too (a blocking step would hold it, an exit would end it)."""
+
+
+def rollouter_for(environment, env_config, **rollout):
+    config = RolloutConfig(**{"group_size": 2, "filter_zero_std_groups": False, **rollout})
+    return Rollouter(environment, FakeRenderer(), env_config, config, seed=3)
+
+
+def collect(rollouter, generate, prompts):
+    async def go():
+        try:
+            return await rollouter.collect_batch(0, 0, generate, draw=lambda n: prompts)
+        finally:
+            rollouter.close()
+
+    return asyncio.run(go()).sampled()
+
+
+def alphabet_reply(environment):
+    """Gold, the names reversed, or no answer, by the request's seed: rewards spread over [0, 1]."""
+
+    def respond(call):
+        group = int(call.session_id.split("/group=")[1].split("/")[0])
+        turn = int(call.request_id.rsplit("=", 1)[1])
+        gold = gold_reply(environment.train_sample(group), turn)
+        first, *names, last = gold.split("\n")
+        kind = call.sampling.seed % 3
+        return gold if kind == 0 else "\n".join([first, *names[::-1], last]) if kind else "?"
+
+    return ScriptedGenerate(respond)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_workers_leave_seeded_rollouts_unchanged(workers):
+    def run(workers):
+        env_config = EnvConfig(max_turns=3, max_rollout_tokens=4000, workers=workers)
+        environment = AlphabetSort(env_config, seed=5)
+        generate = alphabet_reply(environment)
+        rollouter = rollouter_for(environment, env_config, group_size=3, prompts_per_step=4)
+        groups = collect(rollouter, generate, list(range(4)))
+        return [r for g in groups for r in g.rollouts], [c.prompt_ids for c in generate.calls]
+
+    (reference, ref_prompts), (rollouts, prompts) = run(0), run(workers)
+    assert len(rollouts) == 12 and len({r.reward for r in rollouts}) > 3
+    for a, b in zip(reference, rollouts, strict=True):
+        assert (a.session_id, a.status, a.reward, a.reward_breakdown) == (
+            b.session_id, b.status, b.reward, b.reward_breakdown,
+        )  # fmt: skip
+        assert a.messages == b.messages and len(a.turns) == len(b.turns) == 3
+        for s, t in zip(a.turns, b.turns, strict=True):
+            assert np.array_equal(s.prompt_ids, t.prompt_ids)
+            assert np.array_equal(s.completion.token_ids_N, t.completion.token_ids_N)
+            assert s.reward_signals == t.reward_signals
+    assert sorted(map(bytes, ref_prompts)) == sorted(map(bytes, prompts))
+
+
+def _outcomes(workers, plans):
+    env_config = EnvConfig(
+        max_turns=4, max_rollout_tokens=1000, step_timeout_s=2.0, workers=workers
+    )
+    prompts = [PLANS.index(p) for p in plans]
+    environment = PlanEnvironment(env_config, seed=0)
+    rollouter = rollouter_for(environment, env_config, prompts_per_step=len(prompts))
+    groups = collect(rollouter, ScriptedGenerate(lambda call: "ok"), prompts)
+    return {
+        PLANS[g.sample_index]: [
+            (r.status, r.error, (r.error_details or "").strip().split("\n")[-1], r.reward,
+             r.reward_breakdown, r.scorer_error, len(r.turns))
+            for r in g.rollouts
+        ]
+        for g in groups
+    }  # fmt: skip
+
+
+def test_failures_become_the_same_error_rollouts_in_workers():
+    on_loop, in_workers = _outcomes(0, SAME_EVERYWHERE), _outcomes(2, SAME_EVERYWHERE)
+    assert in_workers == on_loop
+    status = {plan: rows[0][0] for plan, rows in in_workers.items()}
+    assert status == {
+        "ok": RolloutStatus.COMPLETED,
+        "init_raises": RolloutStatus.ERROR_ENV,
+        "step_raises": RolloutStatus.ERROR_ENV,
+        "step_hangs": RolloutStatus.ERROR_TIMEOUT,
+        "not_a_step_result": RolloutStatus.ERROR_ENV,
+        "reward_raises": RolloutStatus.ERROR_REWARD,
+        "reward_wrong_answer": RolloutStatus.COMPLETED,
+        "reward_nan": RolloutStatus.ERROR_REWARD,
+    }
+    assert in_workers["ok"][0][3] == pytest.approx(0.3)
+    assert in_workers["step_raises"][0][1] == "ValueError: cannot parse 'ok'"
+    assert in_workers["step_raises"][0][2] == "ValueError: cannot parse 'ok'"  # the traceback
+    assert in_workers["reward_raises"][0][1] == "ZeroDivisionError: a bug in the reward"
+    assert in_workers["reward_wrong_answer"][0][5].startswith("reward: ValueError")
+    assert in_workers["step_hangs"][0][1] == "env.step exceeded step_timeout_s=2.0"
+
+
+@pytest.mark.parametrize("workers", [1, 2])  # 1: calls sent behind a stuck one run after it
+def test_a_blocking_step_times_out_and_a_dying_one_errors_while_others_finish(workers):
+    outcomes = _outcomes(workers, ["step_blocks", "ok", "step_exits", "ok"])
+    assert [row[:2] for row in outcomes["step_blocks"]] == [
+        (RolloutStatus.ERROR_TIMEOUT, "env.step exceeded step_timeout_s=2.0")
+    ] * 2
+    for status, error, *_ in outcomes["step_exits"]:
+        assert status is RolloutStatus.ERROR_ENV
+        assert "died, exit code 3 during this call" in error
+    assert [row[0] for row in outcomes["ok"]] == [RolloutStatus.COMPLETED] * 2
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize(
+    "workers, wait_s, saw_flag",
+    # On the loop the flag can only be written after the step returns, whatever wait_s; in
+    # a worker it is written while the step waits, and wait_s only bounds a failure.
+    [(0, 0.3, 0.0), (1, 120.0, 1.0)],
+)
+def test_a_step_that_holds_its_thread_leaves_the_loop_serving_with_workers(
+    tmp_path, workers, wait_s, saw_flag
+):
+    env_config = EnvConfig(step_timeout_s=300.0, workers=workers)
+    rollouter = rollouter_for(WaitingEnvironment(env_config), env_config)
+    sample = {"folder": str(tmp_path), "wait_s": wait_s}
+    sampling = RolloutConfig().sampling_params(seed=0, max_tokens=8, stop_token_ids=())
+
+    async def write_flag_once_the_step_waits():
+        while not (tmp_path / "started").exists():
+            await asyncio.sleep(0.001)
+        (tmp_path / "flag").touch()
+
+    async def go():
+        try:
+            return await asyncio.gather(
+                rollouter.run_single_rollout(
+                    sample,
+                    ScriptedGenerate(lambda c: "ok"),
+                    group_id=0,
+                    rollout_id=0,
+                    sampling=sampling,
+                ),  # fmt: skip
+                write_flag_once_the_step_waits(),
+            )
+        finally:
+            rollouter.close()
+
+    rollout, _ = asyncio.run(go())
+    assert rollout.status is RolloutStatus.COMPLETED
+    assert rollout.reward == saw_flag
+
+
+def test_close_stops_busy_and_idle_workers(tmp_path):
+    env_config = EnvConfig(step_timeout_s=300.0, workers=2)
+    rollouter = rollouter_for(WaitingEnvironment(env_config), env_config)
+    sample = {"folder": str(tmp_path), "wait_s": 600.0}  # waits for a flag never written
+    sampling = RolloutConfig().sampling_params(seed=0, max_tokens=8, stop_token_ids=())
+
+    async def go():
+        rollout = asyncio.ensure_future(
+            rollouter.run_single_rollout(
+                sample,
+                ScriptedGenerate(lambda c: "ok"),
+                group_id=0,
+                rollout_id=0,
+                sampling=sampling,
+            )  # fmt: skip
+        )
+        while not (tmp_path / "started").exists():
+            await asyncio.sleep(0.01)
+        pids = [p.pid for p in multiprocessing.active_children()]  # the workers
+        rollouter.close()
+        with pytest.raises(asyncio.CancelledError):
+            await rollout
+        return pids
+
+    pids = asyncio.run(go())
+    assert len(pids) == 2
+    for pid in pids:  # reaped: the process is gone, not a zombie
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert multiprocessing.active_children() == []
+
+
+def test_an_unpicklable_rubric_is_one_line_naming_the_key():
+    from fakes import FakeEnvironment, ScriptedEnv, done
+
+    env_config = EnvConfig(workers=2)
+    environment = FakeEnvironment(lambda s: ScriptedEnv([done()]), lambda r: 1.0)
+    with pytest.raises(ValueError, match=r"env.workers=2 runs the rubric in worker processes"):
+        rollouter_for(environment, env_config)
+
+
+def test_an_unpicklable_env_errors_its_rollouts():
+    from fakes import ScriptedEnv, done
+
+    env_config = EnvConfig(workers=1)
+    environment = PlanEnvironment(env_config, seed=0)
+    environment.make_env = lambda s: ScriptedEnv([done()], init_error=lambda: 0)  # a lambda
+    rollouter = rollouter_for(environment, env_config, prompts_per_step=1)
+    rollouts = collect(rollouter, ScriptedGenerate(lambda c: "ok"), [0])[0].rollouts
+    assert all(r.status is RolloutStatus.ERROR_ENV for r in rollouts)
+    assert "env.workers=1 sends ScriptedEnv to a worker process" in rollouts[0].error
+    assert math.isfinite(rollouts[0].reward) and rollouts[0].reward == 0.0
+
+
+def test_a_rubric_the_workers_cannot_load_stops_the_batch_with_one_line(monkeypatch):
+    import sys
+    import types
+
+    from torchtitan_rl.envs.base import Rubric
+
+    ghost = types.ModuleType("ghost_rubric")  # importable here only, not in a new process
+    exec("def reward(rollout):\n    return 1.0", ghost.__dict__)
+    ghost.reward.__module__ = "ghost_rubric"
+    monkeypatch.setitem(sys.modules, "ghost_rubric", ghost)
+    env_config = EnvConfig(workers=1)
+    environment = PlanEnvironment(env_config, seed=0)
+    environment.rubric = lambda: Rubric([("reward", ghost.reward, 1.0)])
+    rollouter = rollouter_for(environment, env_config, prompts_per_step=1)
+    with pytest.raises(RuntimeError) as e:
+        collect(rollouter, ScriptedGenerate(lambda c: "ok"), [0])
+    assert str(e.value) == (
+        "env.workers=1: a worker process cannot load the rubric: "
+        "ModuleNotFoundError: No module named 'ghost_rubric'"
+    )
+    assert multiprocessing.active_children() == []

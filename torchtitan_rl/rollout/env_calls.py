@@ -1,0 +1,113 @@
+"""Where a rollout's environment code runs: `MessageEnv.init` / `step` and rubric scoring.
+
+Two implementations of one seam, chosen by `env.workers`:
+
+    LocalCalls   (env.workers = 0)  on the controller's event loop, as the env's own coroutines
+    EnvWorkers   (env.workers = N)  in N worker processes (rollout/env_workers.py)
+
+Both report the same outcomes, so a rollout errors the same way wherever its env ran:
+
+    the call returned                 -> (env, value); a worker returns its copy of the env
+    it took over env.step_timeout_s   -> TimeoutError (TokenEnv: ERROR_TIMEOUT)
+    user code raised                  -> EnvCallFailed(error="ValueError: ...", details=traceback)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import traceback
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from torchtitan_rl.envs.base import MessageEnv, Rubric, StepResult
+    from torchtitan_rl.types import Message, Rollout
+
+Score = tuple[float, dict[str, float], str | None]
+"""What scoring gives: (weighted reward, {function name: value}, `rollout.scorer_error`)."""
+
+
+class EnvCallFailed(Exception):
+    """User code (an env's init or step, a reward function) raised; the rollout errors."""
+
+    def __init__(self, error: str, details: str | None = None) -> None:
+        super().__init__(error)
+        self.error = error
+        """One line, "TypeName: message"."""
+        self.details = details
+        """The traceback, as formatted where the code ran."""
+
+    @classmethod
+    def from_current(cls, e: BaseException) -> EnvCallFailed:
+        """From the exception being handled (call inside its `except` block)."""
+        return cls(describe_exception(e), traceback.format_exc())
+
+
+class EnvCalls(Protocol):
+    """Runs environment code for the Rollouter; see the module docstring for outcomes."""
+
+    async def init(self, env: MessageEnv) -> tuple[MessageEnv, list[Message]]: ...
+
+    async def step(self, env: MessageEnv, text: str) -> tuple[MessageEnv, StepResult]: ...
+
+    async def score(self, rollout: Rollout) -> Score: ...
+
+    def close(self) -> None:
+        """Stop whatever runs calls; nothing is left running afterwards."""
+
+
+class LocalCalls:
+    """Env coroutines awaited on the caller's event loop, each bounded by `timeout_s` (None:
+    unbounded); the rubric runs inline, unbounded (synchronous code on the loop cannot be
+    interrupted)."""
+
+    def __init__(self, timeout_s: float | None, rubric: Rubric | None = None) -> None:
+        self._timeout_s = timeout_s
+        self._rubric = rubric
+
+    async def init(self, env: MessageEnv) -> tuple[MessageEnv, list[Message]]:
+        try:
+            return env, await asyncio.wait_for(env.init(), timeout=self._timeout_s)
+        except TimeoutError:
+            raise
+        except Exception as e:  # a user env failing is recorded on the rollout, not fatal
+            raise EnvCallFailed.from_current(e) from e
+
+    async def step(self, env: MessageEnv, text: str) -> tuple[MessageEnv, StepResult]:
+        try:
+            return env, await asyncio.wait_for(env.step(text), timeout=self._timeout_s)
+        except TimeoutError:
+            raise
+        except Exception as e:  # a user env failing is recorded on the rollout, not fatal
+            raise EnvCallFailed.from_current(e) from e
+
+    async def score(self, rollout: Rollout) -> Score:
+        assert self._rubric is not None, "LocalCalls was built without a rubric"
+        return score_with(self._rubric, rollout)
+
+    def close(self) -> None:
+        pass
+
+
+def score_with(rubric: Rubric, rollout: Rollout) -> Score:
+    """`rubric.score(rollout)` as a Score; EnvCallFailed when a reward function raised."""
+    try:
+        reward, breakdown = rubric.score(rollout)
+    except Exception as e:  # a failing reward fn marks the rollout, never a silent 0
+        raise EnvCallFailed.from_current(e) from e
+    return reward, breakdown, rollout.scorer_error
+
+
+async def run_call(call: tuple[Any, ...], calls: LocalCalls) -> Any:
+    """One ("init", env) / ("step", env, text) / ("score", rollout) call on `calls`: how a
+    worker process runs what it is sent."""
+    kind, *args = call
+    if kind == "init":
+        return await calls.init(*args)
+    if kind == "step":
+        return await calls.step(*args)
+    assert kind == "score", kind
+    return await calls.score(*args)
+
+
+def describe_exception(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"

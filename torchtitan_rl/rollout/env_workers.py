@@ -1,0 +1,331 @@
+"""EnvWorkers: `env.workers` processes that run environment steps and rubric scoring.
+
+Processes, not threads: the scorers that cost milliseconds (a reasoning-gym `score_answer`, a
+countdown solver) are pure Python and hold the GIL, so a thread pool leaves their throughput
+where the event loop had it, while processes run them in parallel; and a stuck call in a
+thread can never be stopped, where a process is killed (docs/benchmarks.md, env steps).
+
+One Pipe per worker; the parent never blocks on one (the event loop reads a pipe when it is
+readable):
+
+    parent -> worker   ("init", env) | ("step", env, text) | ("score", rollout) | None (stop)
+    worker -> parent   ("ready",) once it loaded the rubric, or ("broken", line) if it cannot
+                       ("ok", value) | ("timeout",) | ("raised", error line, traceback)
+
+A worker runs one call at a time (the next waits in its pipe: IN_FLIGHT), and the env
+travels with each call and comes back stepped, so any worker can take any rollout's next
+turn. Calls wait in the parent's FIFO for a worker; `env.step_timeout_s` counts from when a
+worker starts the call, since waiting for one is not the env's doing. A call past it: its worker is killed and replaced and the call
+raises TimeoutError, so a stuck step holds one worker for that long and no other call. A
+worker that dies during a call: the call raises EnvCallFailed and a new worker replaces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import pickle
+import signal
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any
+
+from torchtitan_rl.rollout.env_calls import (
+    EnvCallFailed,
+    LocalCalls,
+    Score,
+    describe_exception,
+    run_call,
+)
+
+if TYPE_CHECKING:
+    from torchtitan_rl.envs.base import MessageEnv, Rubric, StepResult
+    from torchtitan_rl.types import Message, Rollout
+
+logger = logging.getLogger(__name__)
+
+IN_FLIGHT = 2
+"""Calls sent to a worker at once: the next one waits in its pipe, so the worker starts it
+without a round trip through the parent (a round trip is ~150 us on an idle CPU and a
+scheduler slice on a busy one). It starts only when the one before it ends, and goes back to
+the queue if that one is killed."""
+STOP_WAIT_S = 2.0
+"""How long `close` waits for an idle worker to exit by itself before killing it."""
+
+
+@dataclass(slots=True)
+class _Call:
+    call: tuple[Any, ...]
+    future: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Worker:
+    process: BaseProcess
+    conn: Connection
+    ready: bool = False
+    calls: deque[_Call] = field(default_factory=deque)
+    """Sent and not answered, oldest (the one running) first; at most IN_FLIGHT."""
+    deadline: asyncio.TimerHandle | None = None
+    """The timeout of `calls[0]`, armed when it starts (when the call before it ended)."""
+
+
+class EnvWorkers:
+    """`num_workers` spawned processes behind the `EnvCalls` interface (rollout/env_calls.py).
+
+    The rubric is pickled here (ValueError if it cannot be) and loaded once per worker;
+    workers start on the first call, on the event loop that makes it, which every later call
+    must share. `close` stops them all.
+    """
+
+    def __init__(self, num_workers: int, rubric: Rubric, *, timeout_s: float) -> None:
+        assert num_workers >= 1, num_workers
+        self._key = f"env.workers={num_workers}"
+        try:
+            self._rubric_bytes = pickle.dumps(rubric)
+        except Exception as e:
+            raise ValueError(
+                f"{self._key} runs the rubric in worker processes, but it cannot be pickled "
+                f"({describe_exception(e)}); use module-level reward functions (a lambda or "
+                "a local function does not pickle), or env.workers = 0"
+            ) from e
+        self._num_workers = num_workers
+        self._timeout_s = timeout_s
+        self._context = multiprocessing.get_context("spawn")  # fork is unsafe with threads
+        self._workers: list[_Worker] = []
+        self._queue: deque[_Call] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started: asyncio.Future | None = None
+        """Done once every first worker said ready (or one could not start)."""
+        self._closed: str | None = None
+        """Why calls are refused: closed, or no worker could start."""
+
+    async def init(self, env: MessageEnv) -> tuple[MessageEnv, list[Message]]:
+        return await self._run(("init", env))
+
+    async def step(self, env: MessageEnv, text: str) -> tuple[MessageEnv, StepResult]:
+        return await self._run(("step", env, text))
+
+    async def score(self, rollout: Rollout) -> Score:
+        return await self._run(("score", rollout))
+
+    async def _run(self, call: tuple[Any, ...]) -> Any:
+        if self._closed is not None:
+            raise RuntimeError(self._closed)
+        if self._started is None:
+            self._loop = asyncio.get_running_loop()
+            self._started = self._loop.create_future()
+            self._workers = [self._spawn() for _ in range(self._num_workers)]
+        assert asyncio.get_running_loop() is self._loop, "EnvWorkers serves one event loop"
+        await asyncio.shield(self._started)
+        future = self._loop.create_future()
+        self._queue.append(_Call(call, future))
+        self._dispatch()
+        return await future
+
+    def _spawn(self) -> _Worker:
+        assert self._loop is not None
+        parent, child = self._context.Pipe()
+        process = self._context.Process(
+            target=serve, args=(child, self._rubric_bytes), name="env-worker", daemon=True
+        )
+        process.start()
+        child.close()
+        worker = _Worker(process=process, conn=parent)
+        self._loop.add_reader(parent.fileno(), self._on_message, worker)
+        return worker
+
+    def _dispatch(self) -> None:
+        """Give queued calls to workers, oldest first, idle workers before busy ones."""
+        for depth in range(IN_FLIGHT):
+            for worker in self._workers:
+                if worker.ready and len(worker.calls) == depth:
+                    self._send_one(worker)
+
+    def _send_one(self, worker: _Worker) -> None:
+        assert self._loop is not None
+        while self._queue:
+            call = self._queue.popleft()
+            if call.future.done():  # its rollout was cancelled while it waited
+                continue
+            try:
+                worker.conn.send(call.call)  # pickles whole before writing anything
+            except OSError:  # the worker died; its pipe's EOF replaces it
+                self._queue.appendleft(call)
+                return
+            except Exception as e:
+                what = "the rollout" if call.call[0] == "score" else type(call.call[1]).__name__
+                call.future.set_exception(
+                    EnvCallFailed(
+                        f"{self._key} sends {what} to a worker process, but it cannot be "
+                        f"pickled ({describe_exception(e)}); env.workers = 0 runs it here",
+                        traceback.format_exc(),
+                    )
+                )
+                continue
+            worker.calls.append(call)
+            self._arm(worker)
+            return
+
+    def _arm(self, worker: _Worker) -> None:
+        """Start the timeout of the worker's running call, if it has one and it is not armed."""
+        assert self._loop is not None
+        if worker.calls and worker.deadline is None:
+            worker.deadline = self._loop.call_later(self._timeout_s, self._expire, worker)
+
+    def _on_message(self, worker: _Worker) -> None:
+        try:
+            message = worker.conn.recv()
+        except (EOFError, OSError):
+            self._lost(worker)
+            return
+        assert self._started is not None
+        if message[0] == "ready":
+            worker.ready = True
+            if not self._started.done() and all(w.ready for w in self._workers):
+                self._started.set_result(None)
+        elif message[0] == "broken":
+            self._break(f"{self._key}: {message[1]}")
+            return
+        else:
+            call = worker.calls.popleft()
+            assert worker.deadline is not None
+            worker.deadline.cancel()
+            worker.deadline = None
+            self._arm(worker)
+            if not call.future.done():
+                _settle(call.future, message)
+        self._dispatch()
+
+    def _expire(self, worker: _Worker) -> None:
+        """The worker's call ran past env.step_timeout_s: kill it, start another."""
+        call = self._requeue_behind(worker)
+        logger.warning(
+            "an env worker (pid %s) took over env.step_timeout_s=%g on one call: killed, "
+            "its rollout errors with a timeout, a new worker replaces it",
+            worker.process.pid, self._timeout_s,
+        )  # fmt: skip
+        self._replace(worker)
+        if call is not None and not call.future.done():
+            call.future.set_exception(TimeoutError())
+        self._dispatch()
+
+    def _lost(self, worker: _Worker) -> None:
+        """The worker's pipe closed: it exited, which it does only by dying."""
+        worker.process.join(timeout=STOP_WAIT_S)
+        why = f"an env worker process (pid {worker.process.pid}) died, exit code {worker.process.exitcode}"
+        if not worker.ready:  # dying while starting would repeat in every new worker
+            self._break(f"{self._key}: {why} before it was ready")
+            return
+        call = self._requeue_behind(worker)
+        logger.warning("%s; a new worker replaces it", why)
+        self._replace(worker)
+        if call is not None and not call.future.done():
+            call.future.set_exception(EnvCallFailed(f"{why} during this call"))
+        self._dispatch()
+
+    def _requeue_behind(self, worker: _Worker) -> _Call | None:
+        """The worker's running call; the calls sent behind it, never started, go back to
+        the front of the queue."""
+        running = worker.calls.popleft() if worker.calls else None
+        self._queue.extendleft(reversed(worker.calls))
+        worker.calls.clear()
+        return running
+
+    def _replace(self, worker: _Worker) -> None:
+        self._stop(worker, wait_s=0.0)
+        self._workers[self._workers.index(worker)] = self._spawn()
+
+    def _break(self, why: str) -> None:
+        """No worker can start: every waiting call and the start itself fail with `why`."""
+        error = RuntimeError(why)
+        for future in [self._started, *(c.future for c in self._queue)]:
+            if future is not None and not future.done():
+                future.set_exception(error)
+        self._queue.clear()
+        self.close(why)
+
+    def _stop(self, worker: _Worker, *, wait_s: float) -> None:
+        """Ask the worker to exit, kill it after `wait_s` (at once when busy), reap it."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(worker.conn.fileno())
+        if worker.deadline is not None:
+            worker.deadline.cancel()
+        if wait_s > 0 and not worker.calls and worker.process.is_alive():
+            try:
+                worker.conn.send(None)
+            except OSError:
+                pass
+            worker.process.join(timeout=wait_s)
+        if worker.process.is_alive():
+            worker.process.kill()
+        worker.process.join(timeout=STOP_WAIT_S)
+        worker.conn.close()
+
+    def close(self, why: str = "the env workers are closed") -> None:
+        """Stop every worker (an idle one exits, a busy or stuck one is killed) and cancel
+        the calls still waiting; nothing is left running. Later calls raise `why`."""
+        self._closed = self._closed or why
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            busy = bool(worker.calls)
+            for call in worker.calls:
+                call.future.cancel()
+            worker.calls.clear()
+            self._stop(worker, wait_s=0.0 if busy else STOP_WAIT_S)
+        while self._queue:
+            self._queue.popleft().future.cancel()
+
+
+def _settle(future: asyncio.Future, message: tuple[Any, ...]) -> None:
+    if message[0] == "ok":
+        future.set_result(message[1])
+    elif message[0] == "timeout":
+        future.set_exception(TimeoutError())
+    else:
+        assert message[0] == "raised", message[0]
+        future.set_exception(EnvCallFailed(message[1], message[2]))
+
+
+def serve(conn: Connection, rubric_bytes: bytes) -> None:
+    """A worker process: load the rubric, then answer calls until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
+    try:
+        rubric = pickle.loads(rubric_bytes)
+    except Exception as e:
+        conn.send(("broken", f"a worker process cannot load the rubric: {describe_exception(e)}"))
+        return
+    calls, loop = LocalCalls(None, rubric), asyncio.new_event_loop()
+    conn.send(("ready",))
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except EOFError:  # the controller is gone
+            return
+        try:
+            call = pickle.loads(data)
+        except Exception as e:
+            message = f"a worker process cannot load the call: {describe_exception(e)}"
+            conn.send(("raised", message, traceback.format_exc()))
+            continue
+        if call is None:
+            return
+        outcome = _answer(loop, calls, call)
+        try:
+            conn.send(outcome)
+        except Exception as e:  # the stepped env or its result no longer pickles
+            message = f"the {call[0]} result cannot be sent back: {describe_exception(e)}"
+            conn.send(("raised", message, traceback.format_exc()))
+
+
+def _answer(loop: asyncio.AbstractEventLoop, calls: LocalCalls, call: tuple) -> tuple:
+    try:
+        return ("ok", loop.run_until_complete(run_call(call, calls)))
+    except TimeoutError:
+        return ("timeout",)
+    except EnvCallFailed as e:
+        return ("raised", e.error, e.details)
