@@ -170,8 +170,15 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 def place_adapters(model: nn.Module) -> None:
     """After tensor parallelism sharded the base weights: lay the adapters out to match
     (module docstring). ColwiseParallel shards every parameter of a Linear on dim 0, which
-    for A would split the rank; RowwiseParallel leaves them plain. Both are replaced."""
-    for _, m in lora_modules(model):
+    for A would split the rank; RowwiseParallel leaves them plain. Both are replaced.
+
+    The plan also re-creates parameters without their `requires_grad` (SequenceParallel's
+    norms; our vocab-sharded head), so the base is frozen again here."""
+    modules = list(lora_modules(model))
+    if modules:
+        for name, p in model.named_parameters():
+            p.requires_grad_(is_adapter(name))
+    for _, m in modules:
         w = m.weight
         if not isinstance(w, DTensor):
             continue

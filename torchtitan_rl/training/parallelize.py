@@ -84,7 +84,6 @@ def apply_tp(model: PolicyModel, tp_mesh: DeviceMesh) -> None:
         model, tp_mesh, loss_parallel=False, enable_float8_tensorwise_tp=False,
         enable_async_tp=False, cp_enabled=True,
     )  # fmt: skip
-    place_adapters(model)  # [lora]: adapters laid out like their base weight
     model.output = head
     local_heads = PrepareModuleInputOutput(
         input_layouts=(Shard(1), Shard(1), Shard(1)),
@@ -100,6 +99,7 @@ def apply_tp(model: PolicyModel, tp_mesh: DeviceMesh) -> None:
         head.weight = model.tok_embeddings.weight
     else:
         head.weight = nn.Parameter(distribute_tensor(head.weight.detach(), tp_mesh, [Shard(0)]))
+    place_adapters(model)  # [lora]: adapters laid out like their base weight, base frozen
 
 
 def apply_compile(model: PolicyModel, backend: str = "inductor") -> None:
