@@ -23,7 +23,7 @@ from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.rollout.batcher import BatcherConfig, pack_batch
 from torchtitan_rl.training.trainer import TrainerCore
 from torchtitan_rl.training.trainer_config import TrainingConfig
-from torchtitan_rl.weight_sync.packing import gather_into, pack_weights, unpack_weights
+from torchtitan_rl.weight_sync.packing import gather_into, make_layout, pack_weights, unpack_weights
 
 
 def _core(tp: int) -> TrainerCore:
@@ -74,9 +74,12 @@ def _run(core: TrainerCore, rank: int) -> dict:
     out = core.train_step([_batch(2 // core.tp if dist.is_initialized() else 1, core.dp_rank)], 1.0)
     after = np.concatenate([core.logprobs(mb) for mb in whole])
     state = core.sync_state()
+    # open_broadcast takes the layout on rank 0 alone: without the merges' gathers
+    same_layout = make_layout(core.sync_state(merge=False)) == make_layout(state)
     packed = pack_weights(state, 0) if rank == 0 else gather_into(state, None)
     full = core.full_state_dict()
     result = {"before": before, "after": after, "grad_norm": out["trainer/grad_norm"]}
+    result["same_layout"] = same_layout
     optimized = {id(p) for g in core.optimizer.param_groups for p in g["params"]}
     result["optimized"] = sorted(n for n, p in core.model.named_parameters() if id(p) in optimized)
     if rank == 0:
@@ -117,6 +120,7 @@ def test_lora_under_fsdp_and_tp_matches_the_unsharded_policy_and_packs_merged_we
             np.testing.assert_allclose(got["after"], single["after"], atol=2e-5, rtol=0)
             # TP's plan re-creates norms and the head as trainable: they must stay frozen
             assert got["optimized"] == single["optimized"], tp
+            assert got["same_layout"]
             assert all(n.endswith(("lora_A", "lora_B")) for n in got["optimized"])
             assert abs(got["grad_norm"] - single["grad_norm"]) < 1e-5 * single["grad_norm"]
         r0 = results[0][tp]

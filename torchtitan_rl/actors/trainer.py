@@ -146,7 +146,7 @@ class TrainerActor(Actor):
         rank's GPU (`backend="nccl"`) or gloo from a CPU buffer. Other ranks: None."""
         if self.rank != 0:
             return None
-        layout, numel = make_layout(self.core.sync_state())
+        layout, numel = make_layout(self.core.sync_state(merge=False))  # rank 0 alone
         device = self.core.device if backend == "nccl" else torch.device("cpu")
         self.sender = BroadcastSender(layout, numel, DTYPES[dtype], receivers, device)
         return self.sender.group

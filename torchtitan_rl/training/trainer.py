@@ -320,11 +320,17 @@ class TrainerCore:
             return lora_lib.merged_full_state(state, self.lora.scale)
         return state
 
-    def sync_state(self) -> dict[str, torch.Tensor]:
+    def sync_state(self, *, merge: bool = True) -> dict[str, torch.Tensor]:
         """What a weight sync packs: `packing.sharded_state`, with [lora] on the merged
-        weights (models/lora.py `merged_state`). No communication without TP."""
+        weights (models/lora.py `merged_state`): then a collective under FSDP/TP (each
+        merge gathers its A). `merge=False`: the same names, shapes and layout with the
+        base weights in place of the merges, and no communication (for a layout only)."""
         state = sharded_state(self.model)
-        return lora_lib.merged_state(self.model, state) if self.lora.enabled else state
+        if not self.lora.enabled:
+            return state
+        if not merge:
+            return {k: v for k, v in state.items() if not lora_lib.is_adapter(k)}
+        return lora_lib.merged_state(self.model, state)
 
     def adapters(self) -> lora_lib.Adapters:
         """The adapters alone at the current policy version (an adapter-only sync, the
