@@ -20,6 +20,7 @@ layout as the base path (Shard(-1) or Partial), and DTensor adds them.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from torchtitan_rl.checks import check_range
+from torchtitan_rl.models.qwen3 import ModelConfig
 
 TARGETS = {
     "q_proj": ("attention.wq", "self_attn"),
@@ -83,6 +85,16 @@ class LoRAConfig:
                 f"lora.target_modules must be a non-empty list of distinct names from "
                 f"{list(TARGETS)}, got {self.target_modules!r}"
             )
+
+
+def base_record(model: ModelConfig, seed: int, lora: LoRAConfig) -> str:
+    """The base a LoRA checkpoint needs, as JSON: the Hugging Face folder, or the random
+    init's flavor and seed; plus the adapter shape (rank, alpha, targets)."""
+    base = {"hf_checkpoint": model.hf_checkpoint} if model.hf_checkpoint else {}
+    if not base:
+        base = {"flavor": model.flavor, "seed": seed}
+    shape = {"rank": lora.rank, "alpha": lora.alpha, "targets": sorted(lora.target_modules)}
+    return json.dumps({**base, **shape}, sort_keys=True)
 
 
 class LoRALinear(nn.Linear):

@@ -17,13 +17,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from torchtitan_rl.device import DTYPES
 from torchtitan_rl.losses.corrections import CorrectionConfig
@@ -67,7 +61,7 @@ class TrainerCore:
         self.distributed = dist.is_initialized()
         self.lora = lora or LoRAConfig()
         self.seed = seed
-        self.base = _base_record(model_config, seed, self.lora)
+        self.base = lora_lib.base_record(model_config, seed, self.lora)
         """Which base weights (and adapter shape) this trainer's adapters belong to; the
         checkpoint records it and a resume must match it."""
         torch.manual_seed(seed)  # same init on every rank and in the generator
@@ -338,71 +332,6 @@ class TrainerCore:
         assert self.lora.enabled, "lora.rank is 0"
         return lora_lib.adapter_weights(self.model, self.lora, self.policy_version)
 
-    # ---- checkpoint ---------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Model, optimizer, LR scheduler and counters in torch.distributed.checkpoint form:
-        under FSDP each rank holds its own shards (DTensors). A collective.
-
-            {"model": {fqn: tensor}, "optimizer": {"state": ..., "param_groups": ...},
-             "scheduler": LambdaLR.state_dict(), "policy_version": int, "skipped_steps": int,
-             "reference": {fqn: tensor}}   (the KL reference, only when loss.kl_coef > 0)
-
-        With [lora] on, "model" and "reference" hold the adapters only (the frozen base is
-        rebuilt from model.hf_checkpoint, or from model.flavor and job.seed, exactly as at
-        the start), and "lora_base" (a JSON string, `_base_record`) names that base.
-        """
-        model, optimizer = get_state_dict(self.model, self.optimizer, options=self._options())
-        state = {
-            "model": model,
-            "optimizer": optimizer,
-            "scheduler": self.scheduler.state_dict(),
-            "policy_version": self.policy_version,
-            "skipped_steps": self.skipped_steps,
-        }
-        if self.reference is not None:
-            ref = get_model_state_dict(self.reference.model)
-            state["reference"] = self._trained_only(ref)
-        if self.lora.enabled:
-            state["lora_base"] = self.base
-        return state
-
-    def _options(self) -> StateDictOptions:
-        return StateDictOptions(ignore_frozen_params=self.lora.enabled, strict=True)
-
-    def _trained_only(self, state: dict) -> dict:
-        """[lora]: the adapter entries of a model state (the base is not saved)."""
-        if not self.lora.enabled:
-            return state
-        return {k: v for k, v in state.items() if lora_lib.is_adapter(k)}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` returned (after torch.distributed.checkpoint filled it)."""
-        if self.lora.enabled and state.get("lora_base") != self.base:
-            raise ValueError(
-                f"the checkpoint's LoRA adapters belong to base {state.get('lora_base')}, "
-                f"this run's is {self.base}; resume with that [model], job.seed and [lora]"
-            )
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=StateDictOptions(ignore_frozen_params=self.lora.enabled,
-                                     strict=not self.lora.enabled),
-        )  # fmt: skip
-        if self.reference is not None:
-            if "reference" not in state:
-                raise ValueError("loss.kl_coef > 0, but the checkpoint holds no KL reference")
-            set_model_state_dict(
-                self.reference.model,
-                state["reference"],
-                options=StateDictOptions(strict=not self.lora.enabled),
-            )
-            self.reference.release()
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.policy_version = int(state["policy_version"])
-        self.skipped_steps = int(state["skipped_steps"])
-
     @torch.no_grad()
     def logprobs(self, mb: Microbatch, temperature: float = 1.0) -> np.ndarray:
         """Trainer log-probs of mb's loss tokens (row-major), for checks and diagnostics."""
@@ -413,18 +342,6 @@ class TrainerCore:
 
     def warm_start_optimizer(self, config: WarmStartConfig) -> torch.optim.Optimizer:
         return self._adamw(config.lr)
-
-
-def _base_record(model: ModelConfig, seed: int, lora: LoRAConfig) -> str:
-    """The base a LoRA checkpoint needs, as JSON: the Hugging Face folder, or the random
-    init's flavor and seed; plus the adapter shape (rank, alpha, targets)."""
-    import json
-
-    base = {"hf_checkpoint": model.hf_checkpoint} if model.hf_checkpoint else {}
-    if not base:
-        base = {"flavor": model.flavor, "seed": seed}
-    shape = {"rank": lora.rank, "alpha": lora.alpha, "targets": sorted(lora.target_modules)}
-    return json.dumps({**base, **shape}, sort_keys=True)
 
 
 class _StageTimer:
