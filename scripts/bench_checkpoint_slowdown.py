@@ -49,7 +49,7 @@ def run_mode(mode: str, threads: int, steps: int, flavor: str) -> dict:
     from torchtitan_rl.losses.policy_loss import LossConfig
     from torchtitan_rl.models.qwen3 import ModelConfig
     from torchtitan_rl.rollout.batcher import BatcherConfig, pack_batch
-    from torchtitan_rl.training.checkpoint import save_trainer_state
+    from torchtitan_rl.training.checkpoint import save_trainer_state, trainer_state
     from torchtitan_rl.training.trainer import TrainerCore
     from torchtitan_rl.training.trainer_config import TrainingConfig
     from torchtitan_rl.types import Episode
@@ -92,7 +92,7 @@ def run_mode(mode: str, threads: int, steps: int, flavor: str) -> dict:
         if mode == "ours":
             save_trainer_state(core, Path(tmp) / "trainer")
         elif mode == "dist":
-            dcp.save(core.state_dict(), checkpoint_id=str(Path(tmp) / "trainer"))
+            dcp.save(trainer_state(core), checkpoint_id=str(Path(tmp) / "trainer"))
         else:
             payload = torch.zeros(1 << 20, dtype=torch.uint8)
             dist.all_gather([torch.empty_like(payload)], payload)

@@ -5,7 +5,7 @@ the same prompts as the undisturbed run, and leave nothing running.
 
 For each max_staleness, one undisturbed run, then `--kills` runs that SIGKILL a random replica
 (of 2) at a random moment between the first RL step and the undisturbed run's end. Per run:
-whether it finished, whether the prompts trained per step equal the undisturbed run's, and
+whether the kill came before the run ended, whether it finished, whether the prompts trained per step equal the undisturbed run's, and
 (CPU, pipelined: the engine is batch-invariant) whether every reward and loss is equal bit for
 bit; requests rerouted, seconds until the replica rejoined, and processes left running.
 Prints a table and writes failover.json.
@@ -60,9 +60,15 @@ def run(cfg, kill_after_s: float | None, victim: int) -> dict:
 
     controller.stage.train = recording_train
     killed: dict = {}
+    rl_start: list[float] = []
+
+    async def watch_rl_start():
+        while controller.supervisor.where != "during RL step 1":
+            await asyncio.sleep(0.01)
+        rl_start.append(time.perf_counter())
 
     async def kill():
-        while controller.supervisor.where != "during RL step 1":
+        while not rl_start:
             await asyncio.sleep(0.01)
         await asyncio.sleep(kill_after_s)
         replica = controller.fleet.replicas[victim]
@@ -73,6 +79,7 @@ def run(cfg, kill_after_s: float | None, victim: int) -> dict:
     async def go():
         t0 = time.perf_counter()
         killer = asyncio.ensure_future(kill()) if kill_after_s is not None else None
+        rl = asyncio.ensure_future(watch_rl_start())
         error = None
         try:
             await controller.run()
@@ -81,8 +88,10 @@ def run(cfg, kill_after_s: float | None, victim: int) -> dict:
         finally:
             if killer is not None:
                 killer.cancel()
+            rl.cancel()
+            rl_seconds = time.perf_counter() - (rl_start[0] if rl_start else t0)
             await controller.close()
-        return error, time.perf_counter() - t0
+        return error, rl_seconds
 
     error, seconds = asyncio.run(go())
     history = {
@@ -118,24 +127,25 @@ def main() -> None:
     for staleness in args.staleness:
         base = run(config(work, f"n{staleness}_base", args, staleness), None, 0)
         assert base["error"] is None, base["error"]
-        span = base["seconds"] * 0.6  # RL steps take most of the run; kill within them
+        span = base["seconds"] * 0.9  # within the RL steps (seconds counts from step 1)
         for k in range(args.kills):
             at, victim = round(rng.uniform(0.0, span), 2), rng.randrange(2)
             r = run(config(work, f"n{staleness}_kill{k}", args, staleness), at, victim)
             rows.append({
                 "max_staleness": staleness, "kill": k, "at_s": at, "victim": victim,
-                "finished": r["error"] is None, "error": r["error"],
+                "killed": bool(r["killed"]), "finished": r["error"] is None, "error": r["error"],
                 "same_prompts": r["trained"] == base["trained"],
                 "bit_equal": r["exact"] == base["exact"], "rerouted": r["rerouted"],
                 "alive_at_end": r["alive_at_end"], "leftover": r["leftover"],
                 "seconds": round(r["seconds"], 1), "base_seconds": round(base["seconds"], 1),
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
-    head = "N  kill  at_s  victim  finished  same_prompts  bit_equal  rerouted  alive  left  s"
+    head = "N  kill  at_s  victim  killed  finished  same_prompts  bit_equal  rerouted  alive  left  rl_s"
     print(head)
     for r in rows:
         print(
             f"{r['max_staleness']:<2} {r['kill']:<5} {r['at_s']:<5} {r['victim']:<7} "
+            f"{r['killed']!s:<7} "
             f"{r['finished']!s:<9} {r['same_prompts']!s:<13} {r['bit_equal']!s:<10} "
             f"{r['rerouted']:<9g} {r['alive_at_end']!s:<6} {len(r['leftover']):<5} {r['seconds']}"
         )

@@ -109,3 +109,41 @@ def _refuse(name):
         raise AssertionError(f"a collective ({name}) in a group of one")
 
     return refuse
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.5])
+def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(tmp_path, kl_coef):
+    """The base is rebuilt from the seed, not saved; the adapters, their Adam moments and
+    (with KL) the reference's adapters come back, and a resume continues exactly. A
+    resume on another base (another seed) is refused."""
+    import torch.distributed.checkpoint as dcp
+    from test_lora import lora_core
+
+    from torchtitan_rl.models.lora import lora_modules
+
+    loss = LossConfig(kl_coef=kl_coef)
+    straight = lora_core(loss=loss)
+    for step in range(4):
+        out_straight = straight.train_step([_batch(step)], temperature=1.0)
+    first = lora_core(loss=loss)
+    for step in range(2):
+        first.train_step([_batch(step)], temperature=1.0)
+    save_trainer_state(first, tmp_path / "trainer")
+    saved = dcp.FileSystemReader(str(tmp_path / "trainer")).read_metadata().state_dict_metadata
+    model_keys = {k for k in saved if k.startswith(("model.", "reference."))}
+    assert model_keys and all(k.endswith(("lora_A", "lora_B")) for k in model_keys)
+    assert "lora_base" in saved
+
+    resumed = lora_core(loss=loss)
+    with torch.no_grad():  # other adapters: they must come from the checkpoint
+        for _, m in lora_modules(resumed.model):
+            m.lora_A.add_(1.0)
+    assert load_trainer_state(resumed, tmp_path / "trainer") == 2
+    for step in range(2, 4):
+        out_resumed = resumed.train_step([_batch(step)], temperature=1.0)
+    assert _no_timings(out_resumed) == _no_timings(out_straight)
+    a, b = straight.full_state_dict(), resumed.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    with pytest.raises(ValueError, match="belong to base .*seed.: 0.*this run's is .*seed.: 1"):
+        load_trainer_state(lora_core(seed=1, loss=loss), tmp_path / "trainer")

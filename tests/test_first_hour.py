@@ -149,6 +149,9 @@ def test_resume_lists_what_changed_and_refuses_another_model(tmp_path):
     with pytest.raises(ValueError, match=r"cannot resume .* changed model.flavor: 'tiny' -> "):
         Controller(other, use_tqdm=False).check_resume()
     assert not (tmp_path / config.job.run_name / "config.toml").exists()  # nothing rewritten
+    lora = load_config(TINY, [f"--job.output_dir={tmp_path}", "--lora.rank=8"])
+    with pytest.raises(ValueError, match=r"cannot resume .* changed lora.rank: 0 -> 8: the "):
+        Controller(lora, use_tqdm=False).check_resume()
 
 
 @pytest.mark.usefixtures("package_logger_restored")

@@ -13,6 +13,8 @@ from torchtitan_rl.device import DTYPES, describe_device, init_process_group, pi
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models.hf_export import export_hf
+from torchtitan_rl.models.lora import LoRAConfig, is_adapter, merged_full_state
+from torchtitan_rl.models.peft_export import export_peft
 from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.training.checkpoint import load_trainer_state, save_trainer_state
 from torchtitan_rl.training.trainer import TrainerCore
@@ -23,7 +25,6 @@ from torchtitan_rl.weight_sync.packing import (
     cuda_uuid,
     gather_into,
     pack_weights,
-    sharded_state,
 )
 from torchtitan_rl.weight_sync.sides import SendingSide
 
@@ -35,6 +36,7 @@ class TrainerActor(Actor):
         self,
         *,
         model: ModelConfig,
+        lora: LoRAConfig | None = None,
         training: TrainingConfig,
         loss: LossConfig,
         correction: CorrectionConfig,
@@ -62,6 +64,7 @@ class TrainerActor(Actor):
             device=dev,
             seed=seed,
             tp=tp,
+            lora=lora,
         )
         self.sft_optimizer = None
         self.sync_side = SendingSide(dev)
@@ -92,7 +95,7 @@ class TrainerActor(Actor):
         `dtype` ("float32" | "bfloat16"): the generator's dtype, so a bf16 generator gets
         half the bytes and the same values it would round to on load. Packed straight
         from the shards (no fp32 full copy of the model); same values as `weights_send`."""
-        state = sharded_state(self.core.model)
+        state = self.core.sync_state()
         if self.rank != 0:
             gather_into(state, None)
             return None
@@ -124,7 +127,7 @@ class TrainerActor(Actor):
         None). Replaces the sync opened before it. Other ranks: None."""
         if self.rank != 0:
             return None
-        state = sharded_state(self.core.model)
+        state = self.core.sync_state(merge=False)  # rank 0 alone: the layout, no collective
         return self.sync_side.open(
             key, transport, state=state, dtype=DTYPES[dtype], receivers=receivers,
             backend=backend,
@@ -141,7 +144,7 @@ class TrainerActor(Actor):
         """Every rank gathers; rank 0 packs the full weights and sends them by sync `key`'s
         transport; returns (version, what the controller passes to each generator: None for
         a group transport). Same values as `publish_weights`."""
-        state = sharded_state(self.core.model)
+        state = self.core.sync_state()
         if self.rank != 0:
             gather_into(state, None)
             return None
@@ -165,12 +168,21 @@ class TrainerActor(Actor):
 
     @endpoint
     async def export_hf(self, folder: str, hf_checkpoint: str, dtype: str) -> None:
-        """Every rank gathers the full weights; rank 0 writes the Hugging Face folder."""
-        state = self.core.full_state_dict()
-        if self.rank == 0:
-            export_hf(
-                state, self.core.model.model_args, folder, hf_checkpoint=hf_checkpoint, dtype=dtype
-            )
+        """Every rank gathers the full weights; rank 0 writes the Hugging Face folder. With
+        [lora] on it holds the merged weights, and a PEFT adapter folder goes next to it
+        (`<folder>_adapter`, models/peft_export.py)."""
+        lora = self.core.lora.enabled
+        state = self.core.full_state_dict(merged=False)
+        adapters = self.core.adapters() if lora else None
+        if self.rank != 0:
+            return
+        args = self.core.model.model_args
+        merged = merged_full_state(state, self.core.lora.scale) if lora else state
+        export_hf(merged, args, folder, hf_checkpoint=hf_checkpoint, dtype=dtype)
+        if adapters is not None:
+            base = {k: v for k, v in state.items() if not is_adapter(k)}
+            export_peft(adapters, args, f"{folder}_adapter", hf_checkpoint=hf_checkpoint,
+                        base_state=base, dtype=dtype)  # fmt: skip
 
     @endpoint
     async def where(self) -> dict:

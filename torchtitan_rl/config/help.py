@@ -49,7 +49,9 @@ def _describe_section(name: str, section: Any) -> list[str]:
             kind = " | ".join(toml_value(c) for c in typing.get_args(hint))
         else:
             kind = getattr(hint, "__name__", str(hint))
-        lines.append(f"  {name}.{f.name} ({kind}) = {toml_value(value)}")
+        head = f"  {name}.{f.name} ({kind}) = {toml_value(value)}"
+        # a long default (a list) continues on indented lines, split after its commas
+        lines.extend(textwrap.wrap(head, 100, subsequent_indent="        ", break_on_hyphens=False))
         for text in textwrap.wrap(docs.get(f.name, ""), 88, break_on_hyphens=False):
             lines.append(f"      {text}")
     return lines

@@ -32,7 +32,8 @@ from torchtitan_rl.envs.base import EnvConfig
 from torchtitan_rl.generation.backends import traits
 from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.losses.corrections import CorrectionConfig, check_objective
-from torchtitan_rl.losses.policy_loss import LossConfig
+from torchtitan_rl.losses.policy_loss import KL_REFERENCE_BASE, LossConfig
+from torchtitan_rl.models.lora import LoRAConfig
 from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.rollout.advantages import AdvantageConfig
 from torchtitan_rl.rollout.batcher import BatcherConfig
@@ -49,6 +50,7 @@ class ConfigError(ValueError):
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
@@ -80,6 +82,11 @@ class Config:
             check_objective(self.loss, self.correction)
         except ValueError as e:
             raise ConfigError(str(e)) from e
+        if self.loss.kl_reference == KL_REFERENCE_BASE and not self.lora.enabled:
+            raise ConfigError(
+                'loss.kl_reference = "base" is the LoRA base model and needs lora.rank > 0; '
+                'use a Hugging Face folder or "" (the policy as RL starts)'
+            )
         if self.rollout.group_size < 2 and self.training.steps > 0:
             raise ConfigError(
                 "rollout.group_size=1: a group-relative advantage is 0 for every rollout, so "

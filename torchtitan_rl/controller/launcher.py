@@ -103,6 +103,7 @@ def spawn_trainer(
         "trainer",
         TrainerActor,
         model=cfg.model,
+        lora=cfg.lora,
         training=cfg.training,
         loss=cfg.loss,
         correction=correction,

@@ -27,6 +27,7 @@ TensorBoard events (TensorBoard would draw both runs as one curve), rollout reco
 errors.log (both keyed by step)."""
 RESUME_FROZEN = {
     "model.": "the checkpoint holds another model",
+    "lora.": "the checkpoint's adapters have another shape, or the run trains other weights",
     "env.name": "the checkpoint's policy, prompt position and curves belong to another task",
 }
 """Config keys (or key prefixes) a resume cannot change, each with why: the weights have that

@@ -68,6 +68,8 @@ OldLogprobs = Literal["recompute", "generator"]
 AGGREGATIONS = get_args(Aggregation)
 KL_ESTIMATORS = get_args(KlEstimator)
 OLD_LOGPROBS = get_args(OldLogprobs)
+KL_REFERENCE_BASE = "base"
+"""`loss.kl_reference` value for the LoRA base model (adapters disabled in the same model)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -97,8 +99,9 @@ class LossConfig:
     (non-negative, lower variance)."""
     kl_reference: str = ""
     """Hugging Face folder of the reference policy (config.json and *.safetensors, checked
-    when the config loads); "" uses the policy as RL starts (after the warm start). Only with
-    kl_coef > 0."""
+    when the config loads); "" uses the policy as RL starts (after the warm start); "base"
+    (with [lora] on) the base model: the policy's own forward with its adapters disabled,
+    no second model. Only with kl_coef > 0."""
     old_logprobs: OldLogprobs = "recompute"
     """pi_old of the PPO ratio: "recompute" (one no-grad trainer forward per step, before the
     first update; with rollout.max_staleness >= 1 and no [correction], each token is weighted
@@ -137,7 +140,7 @@ class LossConfig:
             raise ValueError(
                 f"loss.kl_reference={self.kl_reference!r} is only used with loss.kl_coef > 0"
             )
-        if self.kl_reference:
+        if self.kl_reference and self.kl_reference != KL_REFERENCE_BASE:
             check_hf_folder("loss.kl_reference", self.kl_reference, tokenizer=False)
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(

@@ -21,13 +21,21 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
+from torchtitan_rl.models.lora import is_adapter
 from torchtitan_rl.training.trainer import TrainerCore
 
 
 def save_trainer_state(core: TrainerCore, folder: str | Path) -> None:
-    """Write `core.state_dict()` under `folder`. A collective: every trainer rank calls it."""
-    dcp.save(core.state_dict(), checkpoint_id=str(folder), no_dist=_one_rank())
+    """Write `trainer_state(core)` under `folder`. A collective: every trainer rank calls it."""
+    dcp.save(trainer_state(core), checkpoint_id=str(folder), no_dist=_one_rank())
 
 
 def load_trainer_state(core: TrainerCore, folder: str | Path) -> int:
@@ -36,10 +44,78 @@ def load_trainer_state(core: TrainerCore, folder: str | Path) -> int:
     Every trainer rank calls it; the world size may differ from the one that saved (DCP
     reshards), the model shape may not.
     """
-    state = core.state_dict()  # the template DCP fills in place (shapes, shardings)
+    state = trainer_state(core)  # the template DCP fills in place (shapes, shardings)
     dcp.load(state, checkpoint_id=str(folder), no_dist=_one_rank())
-    core.load_state_dict(state)
+    restore_trainer_state(core, state)
     return core.policy_version
+
+
+def trainer_state(core: TrainerCore) -> dict:
+    """Model, optimizer, LR scheduler and counters in torch.distributed.checkpoint form:
+    under FSDP each rank holds its own shards (DTensors). A collective.
+
+        {"model": {fqn: tensor}, "optimizer": {"state": ..., "param_groups": ...},
+         "scheduler": LambdaLR.state_dict(), "policy_version": int, "skipped_steps": int,
+         "reference": {fqn: tensor}}   (the KL reference, only when loss.kl_coef > 0)
+
+    With [lora] on, "model" and "reference" hold the adapters only (the frozen base is
+    rebuilt from model.hf_checkpoint, or from model.flavor and job.seed, exactly as at
+    the start), and "lora_base" (a JSON string, `lora.base_record`) names that base.
+    """
+    model, optimizer = get_state_dict(core.model, core.optimizer, options=_options(core))
+    state = {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": core.scheduler.state_dict(),
+        "policy_version": core.policy_version,
+        "skipped_steps": core.skipped_steps,
+    }
+    if core.reference is not None:
+        ref = get_model_state_dict(core.reference.model)
+        state["reference"] = _trained_only(core, ref)
+    if core.lora.enabled:
+        state["lora_base"] = core.base
+    return state
+
+
+def _options(core: TrainerCore) -> StateDictOptions:
+    return StateDictOptions(ignore_frozen_params=core.lora.enabled, strict=True)
+
+
+def _trained_only(core: TrainerCore, state: dict) -> dict:
+    """[lora]: the adapter entries of a model state (the base is not saved)."""
+    if not core.lora.enabled:
+        return state
+    return {k: v for k, v in state.items() if is_adapter(k)}
+
+
+def restore_trainer_state(core: TrainerCore, state: dict) -> None:
+    """Restore what `trainer_state` returned (after torch.distributed.checkpoint filled it)."""
+    if core.lora.enabled and state.get("lora_base") != core.base:
+        raise ValueError(
+            f"the checkpoint's LoRA adapters belong to base {state.get('lora_base')}, "
+            f"this run's is {core.base}; resume with that [model], job.seed and [lora]"
+        )
+    set_state_dict(
+        core.model,
+        core.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(ignore_frozen_params=core.lora.enabled,
+                                 strict=not core.lora.enabled),
+    )  # fmt: skip
+    if core.reference is not None:
+        if "reference" not in state:
+            raise ValueError("loss.kl_coef > 0, but the checkpoint holds no KL reference")
+        set_model_state_dict(
+            core.reference.model,
+            state["reference"],
+            options=StateDictOptions(strict=not core.lora.enabled),
+        )
+        core.reference.release()
+    core.scheduler.load_state_dict(state["scheduler"])
+    core.policy_version = int(state["policy_version"])
+    core.skipped_steps = int(state["skipped_steps"])
 
 
 def _one_rank() -> bool:

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from torchtitan_rl.models.lora import place_adapters
 from torchtitan_rl.models.qwen3 import PolicyModel
 
 
@@ -65,7 +66,8 @@ def apply_tp(model: PolicyModel, tp_mesh: DeviceMesh) -> None:
     - the LM head: torchtitan's plan makes `output` a column-parallel logits layer, ours is
       `LogProbHead`, so the plan gets a throwaway stand-in and the head's weight is sharded
       by vocabulary rows (Shard(0)), which LogProbHead turns into vocab-parallel log-probs.
-      That is the embedding's layout too, so a tied weight stays one parameter.
+      That is the embedding's layout too, so a tied weight stays one parameter;
+    - LoRA adapters (models/lora.py) follow their projection's layout (`place_adapters`).
     """
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
     from torchtitan.models.qwen3.infra.parallelize import apply_non_moe_tp
@@ -97,6 +99,7 @@ def apply_tp(model: PolicyModel, tp_mesh: DeviceMesh) -> None:
         head.weight = model.tok_embeddings.weight
     else:
         head.weight = nn.Parameter(distribute_tensor(head.weight.detach(), tp_mesh, [Shard(0)]))
+    place_adapters(model)  # [lora]: adapters laid out like their base weight, base frozen
 
 
 def apply_compile(model: PolicyModel, backend: str = "inductor") -> None:

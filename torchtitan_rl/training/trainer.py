@@ -17,18 +17,14 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from torchtitan_rl.device import DTYPES
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.objective import microbatch_objective
-from torchtitan_rl.losses.policy_loss import LossConfig
+from torchtitan_rl.losses.policy_loss import KL_REFERENCE_BASE, LossConfig
+from torchtitan_rl.models import lora as lora_lib
+from torchtitan_rl.models.lora import LoRAConfig
 from torchtitan_rl.models.qwen3 import ModelConfig, PolicyModel, build_model
 from torchtitan_rl.reductions import Metric, Metrics, merge, results
 from torchtitan_rl.training.grad_clip import clip_grad_norm
@@ -41,6 +37,7 @@ from torchtitan_rl.training.parallelize import (
 from torchtitan_rl.training.reference import ReferencePolicy
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
 from torchtitan_rl.types import Microbatch
+from torchtitan_rl.weight_sync.packing import sharded_state
 
 
 class TrainerCore:
@@ -57,12 +54,19 @@ class TrainerCore:
         device: torch.device,
         seed: int,
         tp: int = 1,
+        lora: LoRAConfig | None = None,
     ):
         self.training, self.loss_config, self.correction = training, loss, correction
         self.device = device
         self.distributed = dist.is_initialized()
+        self.lora = lora or LoRAConfig()
+        self.seed = seed
+        self.base = lora_lib.base_record(model_config, seed, self.lora)
+        """Which base weights (and adapter shape) this trainer's adapters belong to; the
+        checkpoint records it and a resume must match it."""
         torch.manual_seed(seed)  # same init on every rank and in the generator
         self.model: PolicyModel = build_model(model_config, vocab_size, device)
+        self._add_adapters(self.model)
         if tp > 1 and not self.distributed:
             raise ValueError(f"parallelism.tp={tp} needs a process group of tp ranks")
         self.tp = tp
@@ -74,20 +78,36 @@ class TrainerCore:
         self.dp_rank = dist.get_rank() // tp if self.distributed else 0
         """Which of the batcher's per-rank microbatch lists this rank trains on."""
         self.reference: ReferencePolicy | None = None
-        if loss.kl_coef > 0:
+        self.base_reference = loss.kl_coef > 0 and loss.kl_reference == KL_REFERENCE_BASE
+        """The KL reference is this model with its adapters disabled (no second model)."""
+        if loss.kl_coef > 0 and not self.base_reference:
             self.reference = ReferencePolicy(
                 model_config,
                 hf_folder=loss.kl_reference,
                 vocab_size=vocab_size,
                 device=device,
                 dtype=DTYPES[training.dtype],
-                shard=self._shard,
+                shard=self._shard_reference,
             )
             self.start_rl()  # the initial policy, until the warm start has run
         self.policy_version = 0
         self.optimizer = self._adamw(training.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, training.lr_factor)
         self.skipped_steps = 0
+
+    def _add_adapters(self, model: PolicyModel) -> None:
+        """With [lora] on: adapters on the targeted projections, the base frozen in the
+        training dtype (models/lora.py). Before sharding, so FSDP/TP see the adapters."""
+        if self.lora.enabled:
+            base_dtype = DTYPES[self.training.dtype]
+            lora_lib.add_adapters(model, self.lora, seed=self.seed, base_dtype=base_dtype)
+
+    def _shard_reference(self, model: PolicyModel):
+        """The KL reference has the policy's adapters too (frozen), so it can copy the
+        policy as RL starts."""
+        self._add_adapters(model)
+        model.requires_grad_(False)
+        return self._shard(model)
 
     def _shard(self, model: PolicyModel):
         """FSDP (and TP) over the trainer ranks; returns the data-parallel group (None: all).
@@ -112,7 +132,7 @@ class TrainerCore:
         # per parameter, and the default picks the per-parameter loop there.
         cuda = self.device.type == "cuda"
         return torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],  # [lora]: adapters only
             lr=lr,
             weight_decay=self.training.weight_decay,
             fused=cuda,
@@ -198,8 +218,8 @@ class TrainerCore:
 
     def _microbatch(self, mb: Microbatch, t: dict, old_N, temperature: float) -> Metrics:
         """Forward and backward of one microbatch; its metrics (tensors, not yet synced)."""
+        ref_N = self._reference_logprobs(t, temperature)
         logprobs_N, entropy_N = self._logprobs(t, temperature)
-        ref_N = self.reference.logprobs(t, temperature) if self.reference is not None else None
         loss, metrics = microbatch_objective(
             logprobs_N,
             old_N,
@@ -220,6 +240,15 @@ class TrainerCore:
             kept = float(np.diff(mb.support_offsets.astype(np.int64)).sum())
             metrics["trainer/kept_vocab_per_token"] = Metric.mean(kept, n)
         return metrics
+
+    @torch.no_grad()
+    def _reference_logprobs(self, t: dict, temperature: float) -> torch.Tensor | None:
+        """The KL reference's log-probs (None without KL): the reference model's, or with
+        `loss.kl_reference = "base"` the base's, i.e. this model with adapters disabled."""
+        if self.base_reference:
+            with lora_lib.adapters_disabled(self.model):
+                return self._logprobs(t, temperature)[0]
+        return self.reference.logprobs(t, temperature) if self.reference is not None else None
 
     def _all_ranks(self, metrics: Metrics) -> Metrics:
         """This update's metrics over the data-parallel ranks (ranks may differ in which
@@ -271,52 +300,37 @@ class TrainerCore:
         }
 
     # ---- weights ----------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) fp32 CPU weights; a collective: every rank must call it."""
+    def full_state_dict(self, *, merged: bool = True) -> dict[str, torch.Tensor]:
+        """Full (unsharded) fp32 CPU weights under the generator's names; a collective:
+        every rank must call it. With [lora] on: the merged weights, or with
+        `merged=False` the base with its adapters (the state dict as it is)."""
         if self.distributed:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             state = get_model_state_dict(self.model, options=options)
         else:
             state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        return {k: v.float() for k, v in state.items()}
-
-    # ---- checkpoint ---------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Model, optimizer, LR scheduler and counters in torch.distributed.checkpoint form:
-        under FSDP each rank holds its own shards (DTensors). A collective.
-
-            {"model": {fqn: tensor}, "optimizer": {"state": ..., "param_groups": ...},
-             "scheduler": LambdaLR.state_dict(), "policy_version": int, "skipped_steps": int,
-             "reference": {fqn: tensor}}   (the KL reference, only when loss.kl_coef > 0)
-        """
-        model, optimizer = get_state_dict(self.model, self.optimizer)
-        state = {
-            "model": model,
-            "optimizer": optimizer,
-            "scheduler": self.scheduler.state_dict(),
-            "policy_version": self.policy_version,
-            "skipped_steps": self.skipped_steps,
-        }
-        if self.reference is not None:
-            state["reference"] = get_model_state_dict(self.reference.model)
+        state = {k: v.float() for k, v in state.items()}
+        if self.lora.enabled and merged:
+            return lora_lib.merged_full_state(state, self.lora.scale)
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` returned (after torch.distributed.checkpoint filled it)."""
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
-        if self.reference is not None:
-            if "reference" not in state:
-                raise ValueError("loss.kl_coef > 0, but the checkpoint holds no KL reference")
-            set_model_state_dict(self.reference.model, state["reference"])
-            self.reference.release()
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.policy_version = int(state["policy_version"])
-        self.skipped_steps = int(state["skipped_steps"])
+    def sync_state(self, *, merge: bool = True) -> dict[str, torch.Tensor]:
+        """What a weight sync packs: `packing.sharded_state`, with [lora] on the merged
+        weights (models/lora.py `merged_state`): then a collective under FSDP/TP (each
+        merge gathers its A). `merge=False`: the same names, shapes and layout with the
+        base weights in place of the merges, and no communication (for a layout only)."""
+        state = sharded_state(self.model)
+        if not self.lora.enabled:
+            return state
+        if not merge:
+            return {k: v for k, v in state.items() if not lora_lib.is_adapter(k)}
+        return lora_lib.merged_state(self.model, state)
+
+    def adapters(self) -> lora_lib.Adapters:
+        """The adapters alone at the current policy version (an adapter-only sync, the
+        PEFT export); a collective under FSDP/TP."""
+        assert self.lora.enabled, "lora.rank is 0"
+        return lora_lib.adapter_weights(self.model, self.lora, self.policy_version)
 
     @torch.no_grad()
     def logprobs(self, mb: Microbatch, temperature: float = 1.0) -> np.ndarray:
