@@ -18,6 +18,7 @@ from torch import nn
 from torchtitan_rl.actors.generator import GeneratorActor
 from torchtitan_rl.actors.trainer import TrainerActor
 from torchtitan_rl.weight_sync.delta import DELTA, FULL
+from torchtitan_rl.weight_sync.packing import sharded_state
 from torchtitan_rl.weight_sync.sides import ReceivingSide, SendingSide
 from torchtitan_rl.weight_sync.transport import WeightSync
 
@@ -58,7 +59,10 @@ def _trainer() -> TrainerActor:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(33, 17), nn.LayerNorm(17))
     actor.rank = 0
-    actor.core = SimpleNamespace(model=model, policy_version=1, device=torch.device("cpu"))
+    actor.core = SimpleNamespace(
+        model=model, policy_version=1, device=torch.device("cpu"),
+        sync_state=lambda merge=True: sharded_state(model),  # no [lora]: the weights as they are
+    )  # fmt: skip
     actor.sync_side = SendingSide(actor.core.device)
     return actor
 
