@@ -161,3 +161,12 @@ def test_a_process_that_outlives_its_mesh_is_killed_and_a_reused_pid_is_not(capl
         for p in (stuck, reused):
             p.kill()
             p.wait()
+
+
+def test_a_jobs_replicas_take_the_next_free_gpu_of_their_host():
+    from torchtitan_rl.controller.placement import plan_hosts
+
+    # 5 replicas over 2 generator hosts: host 0 holds replicas 0, 2, 4 on its GPUs 0, 1, 2
+    placement = plan_hosts(replicas=5, generator_hosts=2, on_gpus=True)
+    assert placement.generators == (0, 0, 1, 1, 2) and placement.gpus == 3
+    assert plan_hosts(replicas=5, generator_hosts=2, on_gpus=False) == Placement()

@@ -22,7 +22,7 @@ from torchtitan_rl.config import Config
 from torchtitan_rl.config.job import ParallelismConfig
 from torchtitan_rl.config.launcher import LauncherConfig
 from torchtitan_rl.controller.launcher import Meshes, launch_local, stop_meshes
-from torchtitan_rl.controller.placement import Placement
+from torchtitan_rl.controller.placement import plan_hosts
 
 logger = logging.getLogger(__name__)
 
@@ -146,13 +146,8 @@ async def launch_job(config: Config, replicas: int, job=None) -> Meshes:
         ", ".join(dict.fromkeys(hosts[TRAINER])),
         ", ".join(f"{n}@{h[0]}" for n, h in hosts.items() if n != TRAINER),
     )
-    # replica i is the (i // hosts)-th generator on its host: that GPU of the host; trainer
-    # ranks take their host's GPU LOCAL_RANK (the elastic environment sets it per host)
-    per_host_gpu = tuple(i // launcher.generator_hosts for i in range(replicas))
-    placement = (
-        Placement(generators=per_host_gpu, gpus=max(per_host_gpu) + 1)
-        if kind == "gpus"
-        else Placement()
+    placement = plan_hosts(
+        replicas=replicas, generator_hosts=launcher.generator_hosts, on_gpus=kind == "gpus"
     )
     return Meshes(
         trainer=trainer, generators=generators, job=job, hosts=hosts, placement=placement,

@@ -103,3 +103,14 @@ def plan(parallelism: ParallelismConfig, replicas: int, backend: Backend = "nati
         replicas=replicas,
         mode=parallelism.placement,
     )
+
+
+def plan_hosts(*, replicas: int, generator_hosts: int, on_gpus: bool) -> Placement:
+    """The placement over the hosts of a Monarch job: replica i goes to generator host
+    i % generator_hosts (controller/hosts.py spawns it there) and takes GPU i //
+    generator_hosts of it, the next free one; trainer ranks take their host's GPU LOCAL_RANK
+    (the elastic environment sets it per host), so `trainer` stays empty. CPU: empty."""
+    if not on_gpus:
+        return Placement()
+    per_host_gpu = tuple(i // generator_hosts for i in range(replicas))
+    return Placement(generators=per_host_gpu, gpus=max(per_host_gpu) + 1)
