@@ -119,7 +119,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--smoke", action="store_true", help="one kill, N = 1, 3 RL steps")
     args = parser.parse_args()
+    if args.smoke:
+        args.kills, args.staleness, args.steps = 1, [1], 3
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(message)s")
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="failover_"))
@@ -140,15 +143,12 @@ def main() -> None:
                 "seconds": round(r["seconds"], 1), "base_seconds": round(base["seconds"], 1),
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
-    head = "N  kill  at_s  victim  killed  finished  same_prompts  bit_equal  rerouted  alive  left  rl_s"
-    print(head)
+    keys = ["max_staleness", "kill", "at_s", "victim", "killed", "finished", "same_prompts",
+            "bit_equal", "rerouted", "alive_at_end", "leftover", "seconds"]  # fmt: skip
+    print("| " + " | ".join(keys) + " |")
     for r in rows:
-        print(
-            f"{r['max_staleness']:<2} {r['kill']:<5} {r['at_s']:<5} {r['victim']:<7} "
-            f"{r['killed']!s:<7} "
-            f"{r['finished']!s:<9} {r['same_prompts']!s:<13} {r['bit_equal']!s:<10} "
-            f"{r['rerouted']:<9g} {r['alive_at_end']!s:<6} {len(r['leftover']):<5} {r['seconds']}"
-        )
+        cells = [len(r[k]) if k == "leftover" else r[k] for k in keys]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "failover.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

@@ -39,11 +39,15 @@ COMMON = (
 
 def adapter_bytes(flavor: str, rank: int) -> tuple[int, int]:
     """(all parameters, LoRA parameters at `rank` on the 7 projections) of a flavor."""
+    from types import SimpleNamespace
+
     from torchtitan.models.qwen3 import qwen3_args
 
+    from torchtitan_rl.models.qwen3 import BUILTIN_ARGS
     from torchtitan_rl.models.tokenizer import Tokenizer
 
-    args = qwen3_args[flavor]
+    builtin = BUILTIN_ARGS.get(flavor)
+    args = SimpleNamespace(**builtin) if builtin else qwen3_args[flavor]
     dim, hidden, layers = args.dim, args.hidden_dim, args.n_layers
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     shapes = [(dim, q), (dim, kv), (dim, kv), (q, dim), (dim, hidden), (dim, hidden), (hidden, dim)]
@@ -88,7 +92,13 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", default=os.environ.get("OUT", "outputs/bench_lora"))
+    p.add_argument("--smoke", action="store_true", help="the tiny shape on CPU, 3 steps")
     a = p.parse_args()
+    if a.smoke:
+        global COMMON
+        COMMON = (*COMMON, "--parallelism.device=cpu", "--training.dtype=float32",
+                  "--generator.dtype=float32", "--rollout.prompts_per_step=4")  # fmt: skip
+        a.flavors, a.steps = ["tiny"], 3
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -82,7 +82,8 @@ def test_placement_follows_any_gpu_of_host(monkeypatch):
 def _start_folder(backend: str, tmp_path, hf_checkpoint: str = "") -> tuple[str, list]:
     """`Controller.generator_start_folder` on a config for `backend`, with a trainer that
     records its exports (instead of exporting a model)."""
-    from torchtitan_rl.controller.loop import Controller
+    from torchtitan_rl.controller.fleet import GeneratorFleet
+    from torchtitan_rl.controller.supervision import Supervisor
 
     exports = []
 
@@ -91,13 +92,9 @@ def _start_folder(backend: str, tmp_path, hf_checkpoint: str = "") -> tuple[str,
 
     config = load_config(TINY, [f"--generator.backend={backend}", "--parallelism.device=cpu"])
     config.model.hf_checkpoint = hf_checkpoint  # set after loading: no folder to check
-    controller = SimpleNamespace(
-        config=config,
-        run_dir=tmp_path,
-        supervisor=SimpleNamespace(where=""),
-        trainer=SimpleNamespace(export_hf=SimpleNamespace(call=export)),
-    )
-    return asyncio.run(Controller.generator_start_folder(controller)), exports
+    fleet = GeneratorFleet(config, Supervisor(("trainer",)), vocab_size=64, log_dir=tmp_path)
+    fleet.trainer = SimpleNamespace(export_hf=SimpleNamespace(call=export))
+    return asyncio.run(fleet.start_folder(tmp_path)), exports
 
 
 def test_the_start_folder_export_follows_starts_from_hf_folder(monkeypatch, tmp_path):

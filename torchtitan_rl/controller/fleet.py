@@ -129,7 +129,7 @@ class GeneratorFleet:
         """Spawn one generator per mesh (`open_weight_sync` then opens the sync)."""
         self.meshes, self.trainer = meshes, trainer
         self._context = contextvars.copy_context()
-        self.hf_folder = await self._start_folder(run_dir)
+        self.hf_folder = await self.start_folder(run_dir)
         for i, mesh in enumerate(meshes.generators):
             actor = self._spawn(mesh, i, replica_name(i))
             fn = ActorGenerateFn(actor, replica_name(i), failover=self.survives)
@@ -141,7 +141,7 @@ class GeneratorFleet:
         if self.survives:
             self.supervisor.survive = self.survive
 
-    async def _start_folder(self, run_dir: Path) -> str:
+    async def start_folder(self, run_dir: Path) -> str:
         """The Hugging Face folder a backend that starts from one (vllm) starts from:
         model.hf_checkpoint, or the trainer's initial policy exported in the generator's
         dtype (model.hf_checkpoint, often "", for one that does not)."""
