@@ -17,6 +17,8 @@ from torch import nn
 
 from torchtitan_rl.actors.generator import GeneratorActor
 from torchtitan_rl.actors.trainer import TrainerActor
+from torchtitan_rl.generation.interface import EngineConfig
+from torchtitan_rl.models.lora import LoRAConfig
 from torchtitan_rl.weight_sync.delta import DELTA, FULL
 from torchtitan_rl.weight_sync.packing import sharded_state
 from torchtitan_rl.weight_sync.sides import ReceivingSide, SendingSide
@@ -49,8 +51,9 @@ class _Mesh:
 class _Engine:
     def __init__(self):
         self.loaded: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.config = EngineConfig()
 
-    def load_weights(self, state, version):
+    def load_weights(self, state, version, partial=False):
         self.loaded.append((version, {k: v.clone() for k, v in state.items()}))
 
 
@@ -60,7 +63,7 @@ def _trainer() -> TrainerActor:
     model = nn.Sequential(nn.Linear(33, 17), nn.LayerNorm(17))
     actor.rank = 0
     actor.core = SimpleNamespace(
-        model=model, policy_version=1, device=torch.device("cpu"),
+        model=model, policy_version=1, device=torch.device("cpu"), lora=LoRAConfig(),
         sync_state=lambda merge=True: sharded_state(model),  # no [lora]: the weights as they are
     )  # fmt: skip
     actor.sync_side = SendingSide(actor.core.device)

@@ -45,10 +45,11 @@ class FakeTrainer:
         self.opened, self.closed = [], []
         self.weights_open = _Endpoint(self._open)
         self.weights_form = _Endpoint(lambda key: [None, None])
-        self.weights_send = _Endpoint(lambda key: [(self.version, f"payload-{key}"), None])
+        self.weights_send = _Endpoint(lambda key, payload: [(self.version, f"payload-{key}"), None])
+        self.weights_base = _Endpoint(lambda: [None, None])  # no [lora]
         self.weights_close = _Endpoint(lambda key: self.closed.append(key) or [None, None])
 
-    def _open(self, key, transport, dtype, receivers, backend):
+    def _open(self, key, transport, dtype, receivers, backend, payload):
         self.opened.append((transport, receivers, backend))
         relay = TRANSPORTS[transport].relay
         return [None if relay else SimpleNamespace(backend=backend), None]
@@ -61,8 +62,9 @@ class FakeGenerator:
         self.where = _Endpoint(lambda: {"role": "generator", "device": device, **gpu})
         self.loaded = []
         self.weights_join = _Endpoint(
-            lambda key, transport, offer, rank: self.loaded.append((transport, rank))
+            lambda key, transport, offer, rank, *payload: self.loaded.append((transport, rank))
         )
+        self.weights_base = _Endpoint(lambda: -1)
         self.weights_receive = _Endpoint(self._receive)
 
     def _receive(self, key, payload, index):
@@ -156,7 +158,7 @@ def test_a_broken_broadcast_reports_the_death_a_generator_learns_of_later():
 
     trainer, gens = FakeTrainer(None), [FakeGenerator([]), FakeGenerator([])]
 
-    async def reset(key):
+    async def reset(key, payload):
         raise RuntimeError("gloo: Connection reset by peer")
 
     async def dies_later(key, payload, index):

@@ -12,12 +12,13 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint
 
 from torchtitan_rl.actors.fault_log import enable_fault_log
-from torchtitan_rl.device import describe_device, pick_device
+from torchtitan_rl.device import DTYPES, describe_device, pick_device
 from torchtitan_rl.generation.backends import traits
 from torchtitan_rl.generation.interface import EngineConfig, GenerationEngine, error_completion
 from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.types import Completion, SamplingParams
-from torchtitan_rl.weight_sync.packing import unpack_weights, visible_cuda_uuids
+from torchtitan_rl.weight_sync.lora_sync import Payload
+from torchtitan_rl.weight_sync.packing import visible_cuda_uuids
 from torchtitan_rl.weight_sync.sides import ReceivingSide
 
 
@@ -77,19 +78,35 @@ class GeneratorActor(Actor):
         return visible_cuda_uuids()
 
     @concurrent_endpoint
-    async def weights_join(self, key: str, transport: str, offer: Any, rank: int) -> None:
+    async def weights_base(self) -> int | None:
+        """The id of the [lora] base this generator holds (-1: none); None when its backend
+        takes full weights only (backends.py `adapter_sync`)."""
+        if not traits(self.engine.config.backend).adapter_sync:
+            return None
+        return self.sync_side.held_base
+
+    @concurrent_endpoint
+    async def weights_join(
+        self, key: str, transport: str, offer: Any, rank: int,
+        payload: Payload = Payload.FULL, base_id: int = -1,
+    ) -> None:  # fmt: skip
         """Become member `rank` of weight sync `key` (its transport's group, if it has one),
         leaving the sync joined before; returns once the group has formed (the trainer's
-        `weights_form` runs meanwhile)."""
-        await self.sync_side.join(key, transport, offer, rank)
+        `weights_form` runs meanwhile). `payload`, `base_id`: what the sync moves
+        (weight_sync/lora_sync.py)."""
+        await self.sync_side.join(key, transport, offer, rank, payload, base_id)
 
     @concurrent_endpoint
     async def weights_receive(self, key: str, payload: Any, index: int) -> int:
         """Receive the next version by sync `key`'s transport (`payload`: what the trainer
         returned, for a transport through the controller) into memory of this process's
-        own, then queue it; the engine applies it between steps. Returns the version."""
+        own, then queue what the engine loads for it (adapters: merged into the base here);
+        the engine applies it between steps. Returns the version."""
         packed = await self.sync_side.receive(key, payload, index)
-        self.engine.load_weights(unpack_weights(packed), packed.version)
+        load = self.sync_side.engine_weights(packed, DTYPES[self.engine.config.dtype])
+        if load is not None:
+            state, partial = load
+            self.engine.load_weights(state, packed.version, partial=partial)
         return packed.version
 
     @concurrent_endpoint

@@ -20,11 +20,13 @@ from torchtitan_rl.training.checkpoint import load_trainer_state, save_trainer_s
 from torchtitan_rl.training.trainer import TrainerCore
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
 from torchtitan_rl.types import Microbatch
+from torchtitan_rl.weight_sync.lora_sync import Payload, adapter_payload
 from torchtitan_rl.weight_sync.packing import (
     PackedWeights,
     cuda_uuid,
     gather_into,
     pack_weights,
+    sharded_state,
 )
 from torchtitan_rl.weight_sync.sides import SendingSide
 
@@ -119,19 +121,32 @@ class TrainerActor(Actor):
         return cuda_uuid(self.core.device)
 
     @endpoint
+    async def weights_base(self) -> int | None:
+        """Rank 0 with [lora] on: the id of the frozen base this process sends (a
+        generator holding another one gets it before adapter-only syncs). Else None."""
+        if self.rank != 0 or not self.core.lora.enabled:
+            return None
+        return self.sync_side.base_id
+
+    @endpoint
     async def weights_open(
-        self, key: str, transport: str, dtype: str, receivers: int, backend: str
-    ) -> Any:
+        self, key: str, transport: str, dtype: str, receivers: int, backend: str,
+        payload: Payload = Payload.FULL,
+    ) -> Any:  # fmt: skip
         """Rank 0 opens weight sync `key` (a strategy of weight_sync/strategies.py) for
-        `receivers` generators, the weights in `dtype`; returns what they need to join (or
-        None). Replaces the sync opened before it. Other ranks: None."""
+        `receivers` generators, moving `payload` (weight_sync/lora_sync.py: FULL weights
+        in `dtype`, the BASE in its own dtype, ADAPTERS in float32); returns what they
+        need to join (or None). Replaces the sync opened before it. Other ranks: None."""
         if self.rank != 0:
             return None
-        state = self.core.sync_state(merge=False)  # rank 0 alone: the layout, no collective
+        state = self._payload_state(payload, layout_only=True)  # rank 0 alone: no collective
+        dtype = {
+            Payload.FULL: DTYPES[dtype], Payload.ADAPTERS: torch.float32,
+            Payload.BASE: next(iter(state.values())).dtype,
+        }[Payload(payload)]  # fmt: skip
         return self.sync_side.open(
-            key, transport, state=state, dtype=DTYPES[dtype], receivers=receivers,
-            backend=backend,
-        )  # fmt: skip
+            key, transport, state=state, dtype=dtype, receivers=receivers, backend=backend
+        )
 
     @endpoint
     async def weights_form(self, key: str) -> None:
@@ -140,15 +155,24 @@ class TrainerActor(Actor):
             self.sync_side.form(key)
 
     @endpoint
-    async def weights_send(self, key: str) -> tuple[int, Any] | None:
-        """Every rank gathers; rank 0 packs the full weights and sends them by sync `key`'s
-        transport; returns (version, what the controller passes to each generator: None for
-        a group transport). Same values as `publish_weights`."""
-        state = self.core.sync_state()
+    async def weights_send(
+        self, key: str, payload: Payload = Payload.FULL
+    ) -> tuple[int, Any] | None:
+        """Every rank gathers; rank 0 packs `payload` (the one sync `key` opened with) and
+        sends it by the sync's transport; returns (version, what the controller passes to
+        each generator: None for a group transport). FULL: the values of `publish_weights`."""
+        state = self._payload_state(payload)
         if self.rank != 0:
             gather_into(state, None)
             return None
         return self.sync_side.send(key, state, self.core.policy_version)
+
+    def _payload_state(self, payload: Payload, layout_only: bool = False) -> dict:
+        """What a sync of `payload` packs; `layout_only`: the same layout without the
+        merges' collectives (a FULL sync's merged weights have the base's layout)."""
+        if payload == Payload.ADAPTERS:
+            return adapter_payload(sharded_state(self.core.model), self.core.lora.scale)
+        return self.core.sync_state(merge=payload == Payload.FULL and not layout_only)
 
     @endpoint
     async def weights_close(self, key: str) -> None:

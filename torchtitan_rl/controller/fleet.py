@@ -166,8 +166,10 @@ class GeneratorFleet:
         )  # fmt: skip
         self.weight_sync.peer_failure_wait_s = max(30.0, cfg.launcher.host_timeout_s + 20.0)
         self._members = tuple(r.name for r in members)
-        backend = f" ({self.weight_sync.backend})" if self.weight_sync.backend else ""
-        logger.info("weight sync: %s%s", self.weight_sync.transport, backend)
+        sync = self.weight_sync
+        backend = f" ({sync.backend})" if sync.backend else ""
+        base = f", the base to {sync.base_sent_to} first" if sync.base_sent_to else ""
+        logger.info("weight sync: %s%s, %s%s", sync.transport, backend, sync.payload, base)
 
     def _spawn(self, mesh, index: int, name: str):
         placement = self.meshes.placement

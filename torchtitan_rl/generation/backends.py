@@ -44,6 +44,10 @@ class BackendTraits:
     """generator.decode_attention applies; False: the backend picks its own attention."""
     cpu_block_multiple: int
     """On CPU, generator.block_size must be a multiple of this (1: any size)."""
+    adapter_sync: bool
+    """With [lora] on, the generator takes adapter-only syncs: it keeps the frozen base of
+    the adapted weights and merges each version's adapters itself (weight_sync/lora_sync.py);
+    False: every sync moves the merged full weights."""
     package: str | None
     """The import the backend needs, checked before any process starts; None: none."""
     install_hint: str
@@ -73,6 +77,7 @@ BACKENDS: dict[Backend, BackendTraits] = {
         stop_texts=True,
         own_decode_attention=True,
         cpu_block_multiple=1,
+        adapter_sync=True,
         package=None,
         install_hint="",
     ),
@@ -87,6 +92,8 @@ BACKENDS: dict[Backend, BackendTraits] = {
         own_decode_attention=False,
         # vLLM's CPU attention needs KV blocks of a multiple of 32 tokens (its default there)
         cpu_block_multiple=32,
+        # its LoRA path (one adapter name per version, run-time adapters) is not wired here
+        adapter_sync=False,
         package="vllm",
         install_hint='see the README ("vLLM backend")',
     ),

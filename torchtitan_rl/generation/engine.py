@@ -270,8 +270,8 @@ class Engine(EngineFront):
 
     def _pull_weights(self, pending) -> None:
         self._flush()  # its forward ran under the weights it was queued with
-        for state, version in pending:
-            self._runner.load_state_dict(state)
+        for state, version, partial in pending:
+            self._runner.load_state_dict(state, partial=partial)
             self._version = version
         self._sched.weights_changed(self._version, recompute=self.config.recompute_on_sync)
 

@@ -36,8 +36,8 @@ import torch
 from torchtitan_rl.generation.interface import EngineConfig, error_completion, request_error
 from torchtitan_rl.types import Completion, SamplingParams
 
-Weights = tuple[dict[str, torch.Tensor], int]
-"""(state in torchtitan names, policy version) as queued by `load_weights`."""
+Weights = tuple[dict[str, torch.Tensor], int, bool]
+"""(state in torchtitan names, policy version, partial) as queued by `load_weights`."""
 
 
 def _resolve(future: asyncio.Future, result) -> None:
@@ -136,18 +136,22 @@ class EngineFront:
         self._wake.set()
         return await future
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+    def load_weights(
+        self, state: dict[str, torch.Tensor], version: int, *, partial: bool = False
+    ) -> None:
         """Queues new weights (torchtitan names, full tensors); they are pulled in between
         engine steps (see `EngineConfig.weight_sync_mode`), or now if nothing has started
         the engine yet. The engine keeps references to the tensors until they are applied,
-        so do not modify them in the meantime."""
+        so do not modify them in the meantime. `partial`: `state` holds only the weights
+        that changed (an adapter-only sync's merges); the others keep their values. A
+        partial load is a weight load like any other: a new version, a new KV epoch."""
         if self._closed:
             raise RuntimeError("engine closed")
         if self._task is None and self._thread is None:
-            self._pull_weights([(state, version)])
+            self._pull_weights([(state, version, partial)])
             return
         with self._lock:
-            self._pending_weights.append((state, version))
+            self._pending_weights.append((state, version, partial))
         self._wake.set()
 
     async def close(self) -> None:

@@ -150,8 +150,11 @@ class GenerationEngine(Protocol):
     ) -> Completion:
         """One completion with its sampling settings; an invalid request is an ERROR one."""
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Queue full weights (torchtitan names); applied between engine steps."""
+    def load_weights(
+        self, state: dict[str, torch.Tensor], version: int, *, partial: bool = False
+    ) -> None:
+        """Queue full weights (torchtitan names), or with `partial` only those that changed
+        (a backend whose row has `adapter_sync`); applied between engine steps."""
 
     def model_parameters(self):
         """(name, tensor) of the model the engine computes with, in its own names and

@@ -196,18 +196,19 @@ class ModelRunner:
         return torch.cat([self.forward_decode(decode, tokens_D), logits_PV])
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], *, partial: bool = False) -> None:
         """Copies every weight in place (torchtitan names, e.g. `layers.0.attention.wq.weight`).
 
-        The state must cover every parameter (a tied parameter under either name); tensors
-        must be plain (call `full_tensor()` on DTensors first) and may be any dtype/device.
+        The state must cover every parameter (a tied parameter under either name) unless
+        `partial` (an adapter-only sync's merged weights); tensors must be plain (call
+        `full_tensor()` on DTensors first) and may be any dtype/device.
         """
         unknown = sorted(set(state) - set(self._params))
         if unknown:
             raise ValueError(f"state has unknown parameter names: {unknown[:5]}")
         covered = {id(self._params[name]) for name in state}
         missing = [name for name, p in self._params.items() if id(p) not in covered]
-        if missing:
+        if missing and not partial:
             raise ValueError(f"state is missing parameters: {missing[:5]}")
         pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, tensor in state.items():

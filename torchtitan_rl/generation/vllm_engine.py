@@ -290,7 +290,8 @@ class VllmEngine(EngineFront):
 
     def _pull_weights(self, pending) -> None:
         before = self._version
-        for state, version in pending:
+        for state, version, partial in pending:
+            assert not partial, "vLLM takes full weights (backends.py: adapter_sync=False)"
             path = weight_path(state)
             if path != self._weight_path:
                 logger.info("vLLM %s", path)

@@ -6,16 +6,28 @@ Each sync is known by a key the controller picks (`WeightSync.key`). Opening a s
 new key replaces the previous one (its state handed over, then it is closed); a call under
 a key that is no longer current fails with a clear message, and closing an old key is a
 no-op, so a sync abandoned after a replica died can never disturb the one that replaced it.
+
+A sync moves one payload (weight_sync/lora_sync.py): the merged weights (FULL), or with
+[lora] the frozen base once (BASE) and then the adapters (ADAPTERS). The sending side only
+packs what it is given; the receiving side turns each payload into what its engine loads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import torch
 
-from torchtitan_rl.weight_sync.packing import Layout, PackedWeights, gather_into, make_layout
+from torchtitan_rl.weight_sync.lora_sync import NO_BASE, LoRABase, Payload
+from torchtitan_rl.weight_sync.packing import (
+    Layout,
+    PackedWeights,
+    gather_into,
+    make_layout,
+    unpack_weights,
+)
 from torchtitan_rl.weight_sync.strategies import TRANSPORTS, Receiver, Sender
 
 
@@ -31,6 +43,11 @@ class SendingSide:
         self.closed: Sender | None = None
         """The sender closed last, kept until the next opens: it hands over its state (the
         delta transport's base), so a sync reopened after a replica died sends deltas."""
+        self.base_id = int.from_bytes(os.urandom(6), "little")
+        """[lora]: names the frozen base this process sends (BASE payloads); a generator
+        holding another id (or none) gets the base before adapters (lora_sync.py)."""
+        self.last_bytes = 0
+        """Bytes of the last packed payload (tests, benchmarks)."""
 
     def open(
         self, key: str, transport: str, *, state: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -56,7 +73,9 @@ class SendingSide:
         layout, _ = make_layout(state)
         if layout != self.layout:
             raise RuntimeError("the weights' layout changed since the weight sync opened")
-        gather_into(state, sender.buffer())
+        flat_P = sender.buffer()
+        gather_into(state, flat_P)
+        self.last_bytes = flat_P.numel() * flat_P.element_size()
         return version, sender.send(version)
 
     def close(self, key: str | None) -> None:
@@ -72,19 +91,38 @@ class SendingSide:
 
 
 class ReceivingSide:
-    """A generator's half: the receiver of the current sync."""
+    """A generator's half: the receiver of the current sync, and with [lora] the frozen
+    base it merges adapters into (kept across syncs)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.key: str | None = None
         self.receiver: Receiver | None = None
+        self.payload = Payload.FULL
+        """What the current sync moves."""
+        self.base_id = NO_BASE
+        """The base id the current sync's BASE or ADAPTERS payloads belong to."""
+        self.lora: LoRABase | None = None
+        """[lora]: the base received last (None before one arrives)."""
 
-    async def join(self, key: str, transport: str, offer: Any, rank: int) -> None:
+    @property
+    def held_base(self) -> int:
+        """The id of the base this side holds (NO_BASE: none)."""
+        return NO_BASE if self.lora is None else self.lora.base_id
+
+    async def join(
+        self, key: str, transport: str, offer: Any, rank: int,
+        payload: Payload = Payload.FULL, base_id: int = NO_BASE,
+    ) -> None:  # fmt: skip
         """Becomes member `rank` of the sync's group; returns once it has formed (off the
-        event loop: forming waits for every member)."""
+        event loop: forming waits for every member). ADAPTERS need base `base_id` here."""
+        if payload is Payload.ADAPTERS and self.held_base != base_id:
+            raise RuntimeError(f"adapters for base {base_id}, but this generator holds "
+                               f"{self.held_base}: the base must be sent first")  # fmt: skip
         receiver = TRANSPORTS[transport].receiver(offer, rank, self.device, self.receiver)
         await asyncio.to_thread(receiver.form)
         previous, self.key, self.receiver = self.receiver, key, receiver
+        self.payload, self.base_id = Payload(payload), base_id
         if previous is not None:
             previous.close()
 
@@ -92,6 +130,19 @@ class ReceivingSide:
         if key != self.key or self.receiver is None:
             raise RuntimeError(f"weight sync {key} is closed here (current: {self.key})")
         return await self.receiver.receive(payload, index)
+
+    def engine_weights(
+        self, packed: PackedWeights, dtype: torch.dtype
+    ) -> tuple[dict[str, torch.Tensor], bool] | None:
+        """What the engine loads for `packed` (a payload of the current sync): (state,
+        partial), or None for a BASE (kept until adapters come). `dtype`: the engine's."""
+        if self.payload is Payload.FULL:
+            return unpack_weights(packed), False
+        if self.payload is Payload.BASE:
+            self.lora = LoRABase(packed, self.base_id, self.device)
+            return None
+        assert self.lora is not None and self.lora.base_id == self.base_id
+        return self.lora.merge(packed, dtype)
 
     def close(self) -> None:
         """Leaves the current sync (the generator is closing)."""

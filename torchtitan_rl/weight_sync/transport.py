@@ -14,6 +14,11 @@ side, over the strategies of weight_sync/strategies.py (chosen once per sync).
   `weight_sync.transport = "controller"`). Rank 0 returns the packed buffer on CPU and the
   controller passes it to each generator.
 
+With [lora] on and a backend that merges adapters itself (backends.py `adapter_sync`), a
+sync moves only the adapters (weight_sync/lora_sync.py): `open` first sends the frozen base
+to each generator that does not hold this trainer's (at start, a fresh or restarted
+replica), in a sync of its own over those generators, then opens the adapter sync over all.
+
 Either way a sync returns once every generator holds its own copy of version v, which its
 engine applies between engine steps (generation/engine.py, `weight_sync_mode`). The set of
 generators is fixed per sync: after one dies, or one is restarted, the owner of the replicas
@@ -33,6 +38,7 @@ from monarch.actor import ActorError
 
 from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
 from torchtitan_rl.weight_sync.config import AUTO_BY_BACKEND, TransportChoice
+from torchtitan_rl.weight_sync.lora_sync import NO_BASE, Payload
 from torchtitan_rl.weight_sync.strategies import TRANSPORTS, Transport, TransportName
 
 logger = logging.getLogger(__name__)
@@ -74,7 +80,10 @@ class WeightSync:
     "bfloat16", the generators' dtype), to every generator of `generators`; returns the
     seconds it took. `create` again for another set of generators (after `close`)."""
 
-    def __init__(self, trainer, generators, dtype: str, transport: TransportName):
+    def __init__(
+        self, trainer, generators, dtype: str, transport: TransportName,
+        payload: Payload = Payload.FULL, base_id: int = NO_BASE,
+    ):  # fmt: skip
         self.trainer = trainer
         self.generators = list(generators)
         self.dtype = dtype
@@ -87,6 +96,12 @@ class WeightSync:
         self.peer_failure_wait_s = PEER_FAILURE_WAIT_S
         self.backend: str | None = None
         """The group's backend ("gloo" | "nccl") for a group transport once it is open."""
+        self.payload = payload
+        """What each call moves (lora_sync.py): FULL weights, or ADAPTERS over base `base_id`
+        (a BASE sync is `open`'s own, once per generator that lacks the base)."""
+        self.base_id = base_id
+        self.base_sent_to = 0
+        """Generators the last `open` sent the base to (tests, logs)."""
 
     @property
     def strategy(self) -> Transport:
@@ -101,7 +116,8 @@ class WeightSync:
         when the set changes (`close` the old sync first)."""
         backend = await broadcast_backend(trainer, generators)
         transport = await choose_transport(trainer, generators, wanted, backend)
-        sync = cls(trainer, generators, dtype, transport)
+        payload, base_id = await _payload(trainer, generators)
+        sync = cls(trainer, generators, dtype, transport, payload, base_id)
         try:
             await sync.open(backend)
         except Exception as e:
@@ -118,23 +134,44 @@ class WeightSync:
         the generators cannot reach fails here). `backend`: None picks it
         (`broadcast_backend`); "gloo" forces CPU buffers (benchmarks)."""
         backend = backend or await broadcast_backend(self.trainer, self.generators)
+        if self.payload is Payload.ADAPTERS:
+            await self._send_base(backend)
         out = await self.trainer.weights_open.call(
-            self.key, self.transport, self.dtype, len(self.generators), backend
+            self.key, self.transport, self.dtype, len(self.generators), backend, self.payload
         )
         offer = _rank0(out, allow_none=True)
         await asyncio.gather(
             self.trainer.weights_form.call(self.key),
             *(
-                g.weights_join.call_one(self.key, self.transport, offer, i + 1)
+                g.weights_join.call_one(
+                    self.key, self.transport, offer, i + 1, self.payload, self.base_id
+                )
                 for i, g in enumerate(self.generators)
             ),
         )
         self.backend = None if self.strategy.relay else offer.backend  # what rank 0 built
 
+    async def _send_base(self, backend: str) -> None:
+        """The frozen base to every generator that does not hold base `base_id`, by a sync
+        of this transport over those alone (opened, sent once, closed)."""
+        held = await asyncio.gather(*(g.weights_base.call_one() for g in self.generators))
+        lacking = [g for g, h in zip(self.generators, held) if h != self.base_id]
+        self.base_sent_to = len(lacking)
+        if not lacking:
+            return
+        once = WeightSync(self.trainer, lacking, self.dtype, self.transport, Payload.BASE,
+                          self.base_id)  # fmt: skip
+        once.peer_failure_wait_s = self.peer_failure_wait_s
+        await once.open(backend)
+        try:
+            await once()
+        finally:
+            await once.close()
+
     async def __call__(self) -> float:
         t0 = time.perf_counter()
         if self.strategy.relay:
-            version, payload = _rank0(await self.trainer.weights_send.call(self.key))
+            version, payload = _rank0(await self.trainer.weights_send.call(self.key, self.payload))
             got = await asyncio.gather(
                 *(g.weights_receive.call_one(self.key, payload, i)
                   for i, g in enumerate(self.generators))
@@ -157,7 +194,7 @@ class WeightSync:
         with Monarch's report of the process that died (the more useful error): so after the
         first error the others get PEER_FAILURE_WAIT_S to say theirs, and a death wins."""
         calls = [
-            asyncio.ensure_future(self.trainer.weights_send.call(self.key)),
+            asyncio.ensure_future(self.trainer.weights_send.call(self.key, self.payload)),
             *(asyncio.ensure_future(g.weights_receive.call_one(self.key, None, i))
               for i, g in enumerate(self.generators)),
         ]  # fmt: skip
@@ -179,6 +216,16 @@ class WeightSync:
         sent, *received = [c.result() for c in calls]
         version, _ = _rank0(sent)
         return version, received
+
+
+async def _payload(trainer, generators) -> tuple[Payload, int]:
+    """(ADAPTERS, the trainer's base id) when the trainer trains [lora] adapters and every
+    generator's backend merges adapters itself; else (FULL, NO_BASE)."""
+    base_id = _rank0(await trainer.weights_base.call(), allow_none=True)
+    held = await asyncio.gather(*(g.weights_base.call_one() for g in generators))
+    if base_id is None or None in held:
+        return Payload.FULL, NO_BASE
+    return Payload.ADAPTERS, base_id
 
 
 def _is_death(error: BaseException) -> bool:
