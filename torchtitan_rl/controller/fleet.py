@@ -58,6 +58,10 @@ SYNC_ATTEMPTS = 3
 _REPLICA_NAME = re.compile(r"generator(\d*)(?:_r(\d+))?")
 
 
+class MemberDied(RuntimeError):
+    """A weight sync given up because one of its members died during it."""
+
+
 def replica_name(index: int, incarnation: int = 0) -> str:
     """The actor name of replica `index`: generator, generator1, ...; restarts add _r<k>."""
     base = "generator" if index == 0 else f"generator{index}"
@@ -112,6 +116,8 @@ class GeneratorFleet:
         self._closed = False
         self._context: contextvars.Context | None = None
         self._sync_lock = asyncio.Lock()
+        self._member_died = asyncio.Event()
+        """Set when a member of the sync in flight dies (`replica_down`)."""
         """One sync at a time: the step's, or one for replicas restarted while none was up."""
         """The context `start` ran in (restarts spawn processes in it)."""
 
@@ -195,10 +201,11 @@ class GeneratorFleet:
         t0 = time.perf_counter()
         for attempt in range(SYNC_ATTEMPTS):
             members = tuple(r.name for r in self.replicas if r.up or r.joining)
+            self._member_died.clear()
             try:
                 if self.weight_sync is None or members != self._members:
                     await self.open_weight_sync()  # a member may die here too
-                await self.weight_sync()
+                await self._unless_a_member_dies(self.weight_sync())
                 break
             except Exception as e:
                 if not self.survives or attempt == SYNC_ATTEMPTS - 1:
@@ -212,9 +219,27 @@ class GeneratorFleet:
                 self._rejoin(replica)
         return time.perf_counter() - t0
 
+    async def _unless_a_member_dies(self, sync) -> None:
+        """Await `sync`, but give it up as soon as one of its members is known dead: the
+        live members would otherwise wait out the broadcast's peer timeout (30 s and more)
+        for bytes that never come; the next attempt's new group closes the old one."""
+        task = asyncio.ensure_future(sync)
+        died = asyncio.ensure_future(self._member_died.wait())
+        try:
+            await asyncio.wait({task, died}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            died.cancel()
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            raise MemberDied("a member of the weight sync died during it")
+        task.result()
+
     async def _a_member_died(self, error: BaseException) -> bool:
         """After a failed sync: whether a member of it is now known dead (waiting for the
         Supervisor's report when the error itself does not say so)."""
+        if isinstance(error, MemberDied):
+            return True
         if not (is_death(error) or isinstance(error, BroadcastBroken)):
             return False
         loop = asyncio.get_running_loop()
@@ -260,6 +285,8 @@ class GeneratorFleet:
         if self._closed:
             return
         was_joining = replica.joining
+        if replica.name in self._members:
+            self._member_died.set()
         replica.up = replica.joining = False
         replica.down_since = time.monotonic()
         replica.fn.fail_in_flight()
