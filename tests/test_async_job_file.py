@@ -19,8 +19,8 @@ from fakes import make_completion
 
 from torchtitan_rl.config import load_config
 from torchtitan_rl.controller.ahead import BatchTimeout
-from torchtitan_rl.controller.fleet import Replica
 from torchtitan_rl.controller.loop import Controller
+from torchtitan_rl.controller.replica import Replica
 from torchtitan_rl.rollout.rollouter import CollectedBatch
 from torchtitan_rl.types import Rollout, RolloutGroup, RolloutTurn
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from test_faults import KILLED, LOGGER, _Failure
 
-from torchtitan_rl.controller.fleet import GeneratorFleet, parse_replica_name, replica_name
+from torchtitan_rl.controller.fleet import GeneratorFleet
+from torchtitan_rl.controller.replica import parse_replica_name, replica_name
 from torchtitan_rl.controller.supervision import ActorFailure, Supervisor
 from torchtitan_rl.rollout.router import ReplicaDown, Router
 from torchtitan_rl.types import Completion, FinishReason
@@ -271,8 +272,8 @@ def test_replicas_restarted_while_none_is_up_get_weights_and_take_calls(tmp_path
     itself once restarted."""
     import contextvars
 
-    from torchtitan_rl.controller.fleet import Replica as FleetReplica
     from torchtitan_rl.controller.replica import ActorGenerateFn
+    from torchtitan_rl.controller.replica import Replica as FleetReplica
 
     fleet, supervisor = _fleet(tmp_path)
 

@@ -28,15 +28,19 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan_rl.config import Config
 from torchtitan_rl.controller.launcher import Meshes, spawn_generator
 from torchtitan_rl.controller.processes import on_this_machine
-from torchtitan_rl.controller.replica import ActorGenerateFn, is_death
+from torchtitan_rl.controller.replica import (
+    ActorGenerateFn,
+    Replica,
+    is_death,
+    parse_replica_name,
+    replica_name,
+)
 from torchtitan_rl.controller.supervision import PEER_REPORT_WAIT_S, Supervisor
 from torchtitan_rl.generation.backends import traits
 from torchtitan_rl.rollout.router import Router
@@ -55,33 +59,8 @@ SYNC_ATTEMPTS = 3
 """Weight syncs tried when replicas die during one (each retry is over the live ones)."""
 
 
-_REPLICA_NAME = re.compile(r"generator(\d*)(?:_r(\d+))?")
-
-
 class MemberDied(RuntimeError):
     """A weight sync given up because one of its members died during it."""
-
-
-def replica_name(index: int, incarnation: int = 0) -> str:
-    """The actor name of replica `index`: generator, generator1, ...; restarts add _r<k>."""
-    base = "generator" if index == 0 else f"generator{index}"
-    return base if incarnation == 0 else f"{base}_r{incarnation}"
-
-
-@dataclass(kw_only=True, slots=True)
-class Replica:
-    """One generator replica: its current actor and how it stands."""
-
-    index: int
-    name: str
-    actor: object
-    fn: ActorGenerateFn
-    incarnation: int = 0
-    up: bool = True
-    """Takes calls and receives weights."""
-    joining: bool = False
-    """A restarted process ready for weights; takes calls after the next sync."""
-    down_since: float = 0.0
 
 
 class GeneratorFleet:
@@ -411,11 +390,3 @@ async def _stop(mesh, name: str) -> None:
         await asyncio.wait_for(mesh.stop(), timeout=10)
     except Exception as e:
         logger.debug("stopping %s's mesh: %s", name, e)
-
-
-def parse_replica_name(name: str) -> tuple[int, int] | None:
-    """(replica index, incarnation) of a name `replica_name` gives; None for another name."""
-    found = _REPLICA_NAME.fullmatch(name)
-    if found is None:
-        return None
-    return int(found.group(1) or 0), int(found.group(2) or 0)

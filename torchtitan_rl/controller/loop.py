@@ -22,7 +22,7 @@ from torchtitan_rl.controller import resume
 from torchtitan_rl.controller.ahead import RolloutPipeline
 from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
 from torchtitan_rl.controller.diagnostics import StepDiagnostics
-from torchtitan_rl.controller.fleet import GeneratorFleet, replica_name
+from torchtitan_rl.controller.fleet import GeneratorFleet
 from torchtitan_rl.controller.hosts import launch, stop_all
 from torchtitan_rl.controller.launcher import Meshes, spawn_trainer
 from torchtitan_rl.controller.metrics import MetricsLogger
@@ -31,6 +31,7 @@ from torchtitan_rl.controller.processes import (
     record_processes,
 )
 from torchtitan_rl.controller.progress import progress_bar, rl_postfix
+from torchtitan_rl.controller.replica import replica_name
 from torchtitan_rl.controller.report import StepReport, StepReporter
 from torchtitan_rl.controller.run_lock import RunLock
 from torchtitan_rl.controller.summary import SUMMARY_TAGS
