@@ -147,3 +147,6 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(tmp_path,
 
     with pytest.raises(ValueError, match="belong to base .*seed.: 0.*this run's is .*seed.: 1"):
         load_trainer_state(lora_core(seed=1, loss=loss), tmp_path / "trainer")
+    # another rank: the clear line, before the adapters' shapes could fail to match
+    with pytest.raises(ValueError, match="belong to base .*rank.: 4.*this run's is .*rank.: 8"):
+        load_trainer_state(lora_core(rank=8, loss=loss), tmp_path / "trainer")

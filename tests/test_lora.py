@@ -283,3 +283,30 @@ def test_base_kl_reference_is_the_base_model_with_adapters_disabled():
     assert (policy_N - ref_N).abs().max() > 1e-2  # the adapters are back on after it
     out = core.train_step([batch], 1.0)
     assert out["loss/kl"] > 0
+
+
+def test_pi_old_is_recomputed_without_dropout():
+    """pi_old is the policy the generator sampled from (merged weights, no dropout): two
+    recomputes agree, and equal the eval-mode log-probs, with lora.dropout > 0."""
+    batch = _batch(_episodes(np.random.default_rng(1)))
+    core = lora_core(dropout=0.5)
+    nonzero_b(core, std=0.5)
+    tensors = [[core._tensors(batch[0])]]
+    core.model.train()
+    first = core._old_logprobs(tensors, 1.0)[0][0]
+    again = core._old_logprobs(tensors, 1.0)[0][0]
+    core.model.eval()
+    with torch.no_grad():
+        eval_mode = core._logprobs(tensors[0][0], 1.0)[0]
+    assert torch.equal(first, again) and torch.equal(first, eval_mode)
+
+
+def test_the_base_record_names_what_the_random_base_depends_on():
+    from torchtitan_rl.models.lora import base_record
+
+    model, lora = ModelConfig(), LoRAConfig(rank=4)
+    record = dict(vocab_size=96, dtype="float32", device="cpu")
+    one = base_record(model, 0, lora, **record)
+    assert one == base_record(model, 0, lora, **record)
+    for key, other in (("vocab_size", 160), ("dtype", "bfloat16"), ("device", "cuda")):
+        assert base_record(model, 0, lora, **{**record, key: other}) != one, key

@@ -44,6 +44,10 @@ def load_trainer_state(core: TrainerCore, folder: str | Path) -> int:
     Every trainer rank calls it; the world size may differ from the one that saved (DCP
     reshards), the model shape may not.
     """
+    if core.lora.enabled:  # before the adapters' shapes can fail to match, say why
+        record = {"lora_base": ""}
+        dcp.load(record, checkpoint_id=str(folder), no_dist=_one_rank())
+        _check_base(core, record)
     state = trainer_state(core)  # the template DCP fills in place (shapes, shardings)
     dcp.load(state, checkpoint_id=str(folder), no_dist=_one_rank())
     restore_trainer_state(core, state)
@@ -89,13 +93,17 @@ def _trained_only(core: TrainerCore, state: dict) -> dict:
     return {k: v for k, v in state.items() if is_adapter(k)}
 
 
-def restore_trainer_state(core: TrainerCore, state: dict) -> None:
-    """Restore what `trainer_state` returned (after torch.distributed.checkpoint filled it)."""
+def _check_base(core: TrainerCore, state: dict) -> None:
     if core.lora.enabled and state.get("lora_base") != core.base:
         raise ValueError(
             f"the checkpoint's LoRA adapters belong to base {state.get('lora_base')}, "
             f"this run's is {core.base}; resume with that [model], job.seed and [lora]"
         )
+
+
+def restore_trainer_state(core: TrainerCore, state: dict) -> None:
+    """Restore what `trainer_state` returned (after torch.distributed.checkpoint filled it)."""
+    _check_base(core, state)
     set_state_dict(
         core.model,
         core.optimizer,

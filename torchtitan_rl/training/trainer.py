@@ -61,7 +61,10 @@ class TrainerCore:
         self.distributed = dist.is_initialized()
         self.lora = lora or LoRAConfig()
         self.seed = seed
-        self.base = lora_lib.base_record(model_config, seed, self.lora)
+        self.base = lora_lib.base_record(
+            model_config, seed, self.lora, vocab_size=vocab_size, dtype=training.dtype,
+            device=device.type,
+        )  # fmt: skip
         """Which base weights (and adapter shape) this trainer's adapters belong to; the
         checkpoint records it and a resume must match it."""
         torch.manual_seed(seed)  # same init on every rank and in the generator
@@ -106,8 +109,9 @@ class TrainerCore:
         """The KL reference has the policy's adapters too (frozen), so it can copy the
         policy as RL starts."""
         self._add_adapters(model)
-        model.requires_grad_(False)
-        return self._shard(model)
+        group = self._shard(model)
+        model.requires_grad_(False)  # after sharding: TP's re-freeze marks adapters trainable
+        return group
 
     def _shard(self, model: PolicyModel):
         """FSDP (and TP) over the trainer ranks; returns the data-parallel group (None: all).
@@ -199,9 +203,15 @@ class TrainerCore:
 
     @torch.no_grad()
     def _old_logprobs(self, tensors: list[list[dict]], temperature: float) -> list[list]:
-        """pi_old of every loss token of the step, before any update changes the weights."""
-        with held_gathered(self.model):  # one all-gather on CPU
-            return [[self._logprobs(t, temperature)[0] for t in update] for update in tensors]
+        """pi_old of every loss token of the step, before any update changes the weights.
+        In eval mode: [lora] dropout off, so pi_old is the policy the generator sampled from
+        (its merged weights have no dropout), not a random draw of it."""
+        self.model.eval()
+        try:
+            with held_gathered(self.model):  # one all-gather on CPU
+                return [[self._logprobs(t, temperature)[0] for t in update] for update in tensors]
+        finally:
+            self.model.train()
 
     def _update(self, microbatches, tensors, old, temperature: float) -> Metrics:
         parts = []
