@@ -198,6 +198,8 @@ class WeightSync:
             *(asyncio.ensure_future(g.weights_receive.call_one(self.key, None, i))
               for i, g in enumerate(self.generators)),
         ]  # fmt: skip
+        for call in calls:  # read here when the sync is given up (a member died): no warning
+            call.add_done_callback(_heard)
         try:
             _, pending = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
             if pending:
@@ -216,6 +218,11 @@ class WeightSync:
         sent, *received = [c.result() for c in calls]
         version, _ = _rank0(sent)
         return version, received
+
+
+def _heard(call: asyncio.Future) -> None:
+    if not call.cancelled():
+        call.exception()
 
 
 async def _payload(trainer, generators) -> tuple[Payload, int]:
