@@ -319,3 +319,28 @@ def test_replicas_restarted_while_none_is_up_get_weights_and_take_calls(tmp_path
     assert fleet.version == 5 and synced[0] == ("generator_r1",)
     assert fleet.replicas[0].up and fleet.router.down <= {1}
     assert fleet.replicas[1].up or fleet.replicas[1].joining
+
+
+def test_a_stopped_run_takes_the_weight_sync_in_flight_with_it(tmp_path):
+    """SIGTERM cancels the step: the sync in flight is cancelled too, not left to fail later
+    with a report of the stopped processes."""
+    fleet, _ = _fleet(tmp_path)
+    state = {}
+
+    async def sync():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            state["sync"] = "cancelled"
+            raise
+
+    async def main():
+        step = asyncio.ensure_future(fleet._unless_a_member_dies(sync()))
+        await asyncio.sleep(0.05)
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert state == {"sync": "cancelled"}

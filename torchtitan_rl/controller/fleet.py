@@ -203,14 +203,15 @@ class GeneratorFleet:
         live members would otherwise wait out the broadcast's peer timeout (30 s and more)
         for bytes that never come; the next attempt's new group closes the old one."""
         task = asyncio.ensure_future(sync)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read, always
         died = asyncio.ensure_future(self._member_died.wait())
         try:
             await asyncio.wait({task, died}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
+        finally:  # also when this call is cancelled (the run stops): the sync goes with it
             died.cancel()
-        if not task.done():
-            task.cancel()
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            if not task.done():
+                task.cancel()
+        if not task.done() or task.cancelled():
             raise MemberDied("a member of the weight sync died during it")
         task.result()
 
