@@ -44,6 +44,16 @@ TAGS = {
     "ttft_ms": "generator/time_to_first_token_ms/mean",
     "logprob_diff_mean": "trainer/logprob_diff/mean",
     "logprob_diff_max": "trainer/logprob_diff/max",
+    "busy": "generator/engine_busy_fraction",
+    "pull_ms": "generator/weight_pull_ms",
+    "eng_steps": "generator/engine_steps",
+    "drained": "generator/engine_drained_steps",
+    "eager": "generator/engine_eager_prefills",
+    "eager_tok": "generator/engine_eager_prefill_tokens",
+    "prefix_hit": "generator/prefix_hit_tokens/mean",
+    "preempt": "generator/preemptions/mean",
+    "spread": "generator/routed_tokens_max_over_mean",
+    "gen_tok_s": "perf/generated_tokens_per_second",
 }
 
 
@@ -129,7 +139,8 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     cols = ("layout", "backend", "staleness", "prompts", "step_s", "floor_s", "gen_s", "train_s", "sync_s",
             "trainer_wait_s", "generator_wait_s", "tokens_per_s", "staleness_max", "ttft_ms",
-            "logprob_diff_mean", "logprob_diff_max", "peak_gib")  # fmt: skip
+            "logprob_diff_mean", "logprob_diff_max", "peak_gib", "busy", "pull_ms", "eng_steps",
+            "drained", "eager", "eager_tok", "prefix_hit", "preempt", "spread", "gen_tok_s")  # fmt: skip
     print(" | ".join(cols))
     for row in rows:
         print(" | ".join(f"{row.get(c, float('nan')):.3f}" if isinstance(row.get(c), float)

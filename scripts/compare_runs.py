@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from summarize_run import read_scalars  # noqa: E402
 
 CLOCK_TAGS = ("perf/", "_ms/", "_seconds", "generator/inflight_at_completion",
-              "generator/steps_to_first_token", "rollout/staleness")  # fmt: skip
+              "generator/steps_to_first_token", "rollout/staleness", "generator/engine_",
+              "generator/weight_pull", "generator/routed_")  # fmt: skip
 """Tags that measure time or depend on when things happened, not on what was computed."""
 
 

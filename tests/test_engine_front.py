@@ -178,3 +178,23 @@ def test_a_request_sent_as_the_thread_fails_is_failed_not_lost(monkeypatch):
     first, second = run(main())
     assert "device lost" in str(first)
     assert isinstance(second, RuntimeError) and "engine loop stopped" in str(second)
+
+
+def test_the_driver_counts_its_busy_and_weight_pull_seconds():
+    """`loop_seconds` (reported per step through the generator's `engine_stats`): busy
+    grows with passes, pull only when weights were pulled, and stays within busy."""
+
+    async def main():
+        e = engine(threaded=True)
+        await e.generate(prompt(4), request_id="a", sampling=samplings(1)[0])
+        before = dict(e.loop_seconds)
+        state = {k: v.detach().clone() for k, v in e.model_parameters()}
+        e.load_weights(state, version=1)
+        await e.generate(prompt(5, 1), request_id="b", sampling=samplings(1)[0])
+        await e.close()
+        return before, dict(e.loop_seconds), e.runner.eager
+
+    before, after, eager = run(main())
+    assert before["busy_s"] > 0 and before["pull_s"] == 0
+    assert after["pull_s"] > 0 and after["busy_s"] >= before["busy_s"] + after["pull_s"]
+    assert eager == {"eager_prefills": 0, "eager_prefill_tokens": 0}  # CPU: packed steps

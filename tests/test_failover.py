@@ -165,7 +165,8 @@ FAILOVER = (
     "--training.steps=6",
     "--validation.interval=0",
 )
-CLOCK_TAGS = ("seconds", "per_second", "_ms", "perf/", "steps_to_first_token", "memory")
+CLOCK_TAGS = ("seconds", "per_second", "_ms", "perf/", "steps_to_first_token", "memory",
+              "generator/engine_", "generator/routed_")  # fmt: skip
 
 
 async def _until(condition) -> None:

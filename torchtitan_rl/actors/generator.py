@@ -117,9 +117,16 @@ class GeneratorActor(Actor):
         return {k: v.detach().cpu() for k, v in self.engine.model_parameters()}
 
     @concurrent_endpoint
-    async def engine_stats(self) -> dict[str, int]:
-        """The native engine's step counters (`Engine.stats`); empty for vLLM."""
-        return dict(getattr(self.engine, "stats", {}))
+    async def engine_stats(self) -> dict[str, float]:
+        """Counters since start: the native engine's steps (`Engine.stats`) and eager
+        prefills (`ModelRunner.eager`), and both engines' driver seconds (busy, pulling
+        weights; `EngineFront.loop_seconds`)."""
+        runner = getattr(self.engine, "runner", None)
+        return {
+            **getattr(self.engine, "stats", {}),
+            **(runner.eager if runner is not None else {}),
+            **getattr(self.engine, "loop_seconds", {}),
+        }
 
     @concurrent_endpoint
     async def policy_version(self) -> int:

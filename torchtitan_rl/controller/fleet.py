@@ -6,6 +6,7 @@ Rollouter calls, weight delivery, liveness, activity and close.
     completion = await fleet.generate_fn(prompt_ids, request_id=..., session_id=...)
     seconds = await fleet.sync()          # every replica that is up holds fleet.version
     fleet.metrics()                        # generator/replicas_alive, .../requests_rerouted
+    await fleet.step_metrics()             # those, and what the engines did since the last call
     await fleet.close()
 
 A dead replica (generator.num_replicas >= 2, generator.on_replica_death = "restart"):
@@ -91,6 +92,9 @@ class GeneratorFleet:
         self._members: tuple[str, ...] = ()
         """Actor names the current weight sync was formed over."""
         self._rerouted_reported = 0
+        self._routed_reported: tuple[list[int], list[int]] | None = None
+        self._engine_reported: dict[str, tuple[float, dict[str, float]]] = {}
+        """{replica name: (clock, its engine_stats)} at the last `engine_metrics`."""
         self._all_down: asyncio.TimerHandle | None = None
         self._closed = False
         self._context: contextvars.Context | None = None
@@ -351,13 +355,64 @@ class GeneratorFleet:
     # ---- reports ------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """generator/replicas_alive now, and generator/requests_rerouted since the last
-        call (0 with one replica)."""
+        call (0 with one replica); with several replicas, how evenly the calls since the
+        last call were spread: the busiest replica's calls and call cost (prompt +
+        max_tokens) over the mean of the replicas (1.0 = even)."""
         rerouted = self.router.rerouted if self.router is not None else 0
         since, self._rerouted_reported = rerouted - self._rerouted_reported, rerouted
-        return {
+        out = {
             "generator/replicas_alive": float(sum(r.up for r in self.replicas)),
             "generator/requests_rerouted": float(since),
         }
+        if self.router is not None and len(self.replicas) > 1:
+            now = (list(self.router.routed), list(self.router.routed_tokens))
+            last = self._routed_reported or ([0] * len(now[0]), [0] * len(now[1]))
+            self._routed_reported = now
+            for tag, new_counts, old_counts in (
+                ("generator/routed_calls_max_over_mean", now[0], last[0]),
+                ("generator/routed_tokens_max_over_mean", now[1], last[1]),
+            ):
+                delta = [a - b for a, b in zip(new_counts, old_counts)]
+                if sum(delta):
+                    out[tag] = max(delta) * len(delta) / sum(delta)
+        return out
+
+    async def step_metrics(self) -> dict[str, float]:
+        """`metrics()` and `engine_metrics()`, for a step's report."""
+        return {**self.metrics(), **await self.engine_metrics()}
+
+    async def engine_metrics(self) -> dict[str, float]:
+        """What the engines of the replicas that are up did since the last call (first
+        call: since they started), from their `engine_stats`: the share of the time their
+        driver was busy (mean), weight-pull milliseconds (mean), engine steps, steps built
+        while no step was in flight, eager prefills and their tokens (sums). Empty where
+        the engines report no counters (vLLM reports only the driver's seconds)."""
+        up = [r for r in self.replicas if r.up]
+        if not up:
+            return {}
+        stats = await asyncio.gather(
+            *(asyncio.wait_for(r.actor.engine_stats.call_one(), 10) for r in up),
+            return_exceptions=True,
+        )
+        now = time.perf_counter()
+        busy, pull, sums = [], [], {}
+        for replica, got in zip(up, stats):
+            if isinstance(got, BaseException) or not got:
+                continue
+            then, last = self._engine_reported.get(replica.name, (None, {}))
+            self._engine_reported[replica.name] = (now, got)
+            delta = {k: v - last.get(k, 0) for k, v in got.items()}
+            if then is not None and "busy_s" in delta and now > then:
+                busy.append(delta["busy_s"] / (now - then))
+                pull.append(1e3 * delta["pull_s"])
+            for key in ("steps", "drained_steps", "eager_prefills", "eager_prefill_tokens"):
+                if key in delta:
+                    sums[key] = sums.get(key, 0.0) + delta[key]
+        out = {f"generator/engine_{k}": float(v) for k, v in sums.items()}
+        if busy:
+            out["generator/engine_busy_fraction"] = sum(busy) / len(busy)
+            out["generator/weight_pull_ms"] = sum(pull) / len(pull)
+        return out
 
     async def activity(self) -> str:
         """What every replica is doing, for a step that waited too long for its batch."""

@@ -251,7 +251,7 @@ class Controller:
             generate_seconds=self.pipeline.seconds.pop(step, t_gen - t0),
             trainer_wait_seconds=t_gen - t0, train_seconds=t_train - t_gen,
             sync_seconds=sync_seconds, generator_wait_seconds=self.pipeline.idle_seconds(),
-            step_seconds=time.perf_counter() - t0, generators=self.fleet.metrics(),
+            step_seconds=time.perf_counter() - t0, generators=await self.fleet.step_metrics(),
         )  # fmt: skip
         return self.reporter.report(report)
 

@@ -97,6 +97,9 @@ class EngineFront:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         """Why the engine thread stopped, if it failed."""
+        self.loop_seconds = {"busy_s": 0.0, "pull_s": 0.0}
+        """Seconds since start the driver spent in passes (pull, admit, steps), and in weight
+        pulls alone (the rest of the time it waits for work)."""
 
     @property
     def policy_version(self) -> int:
@@ -239,12 +242,20 @@ class EngineFront:
         return self._has_waiting() or self._has_running() or bool(self._pending_weights)
 
     def _iteration(self, num_steps: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._pass(num_steps, t0)
+        finally:
+            self.loop_seconds["busy_s"] += time.perf_counter() - t0
+
+    def _pass(self, num_steps: int, t0: float) -> None:
         drain = self.config.weight_sync_mode == "drain"
         # drain: a request preempted back to the queue holds tokens of the old weights too
         if self._pending_weights and not (drain and self._has_started()):
             with self._lock:
                 pending, self._pending_weights = self._pending_weights, []
             self._pull_weights(pending)
+            self.loop_seconds["pull_s"] += time.perf_counter() - t0
         if self._has_waiting() and self._may_admit():
             if not (drain and self._pending_weights):
                 self._admit()

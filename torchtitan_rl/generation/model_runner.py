@@ -116,6 +116,8 @@ class ModelRunner:
         )
         self.decode_graphs = None  # set by cuda_graphs.DecodeGraphs
         self.mixed_graphs = None  # set by cuda_graphs.MixedGraphs
+        self.eager = {"eager_prefills": 0, "eager_prefill_tokens": 0}
+        """Counters since start: padded (eager, no graph) prefill calls and the tokens they fed."""
         self._layer_qkv, self._layer_rest = _layer_qkv, _layer_rest  # see compile_decode
 
     @torch.inference_mode()
@@ -382,6 +384,8 @@ class ModelRunner:
     def _forward_padded(self, batch: list[SeqInput]) -> torch.Tensor:
         device, cache = self.device, self.kv_cache
         lens = [len(s.token_ids) for s in batch]
+        self.eager["eager_prefills"] += 1
+        self.eager["eager_prefill_tokens"] += sum(lens)
         B, T = len(batch), max(lens)
         N = max(-(-(s.start + n) // self.block_size) for s, n in zip(batch, lens))
         # Host inputs staged through pinned memory, and the real tokens picked out of the

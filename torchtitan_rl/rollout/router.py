@@ -80,6 +80,8 @@ class Router:
         """{session id: replica} of the sessions not ended yet."""
         self.routed = [0] * len(replicas)
         """Calls sent per replica since the start."""
+        self.routed_tokens = [0] * len(replicas)
+        """Cost (`call_cost`) of the calls sent per replica since the start."""
         self._idle_cost: dict[str, int] = {}
         """{session id: its last call's cost} of live sessions with no call in flight."""
 
@@ -123,6 +125,7 @@ class Router:
         self.inflight[index] += 1
         self.outstanding_tokens[index] += cost
         self.routed[index] += 1
+        self.routed_tokens[index] += cost
         if session_id is not None:  # no longer between turns: its call counts instead
             self.idle_tokens[index] -= self._idle_cost.pop(session_id, 0)
 
