@@ -54,6 +54,7 @@ TAGS = {
     "preempt": "generator/preemptions/mean",
     "spread": "generator/routed_tokens_max_over_mean",
     "gen_tok_s": "perf/generated_tokens_per_second",
+    "rounds": "rollout/num_sampling_rounds",
 }
 
 
@@ -140,7 +141,7 @@ def main() -> None:
     cols = ("layout", "backend", "staleness", "prompts", "step_s", "floor_s", "gen_s", "train_s", "sync_s",
             "trainer_wait_s", "generator_wait_s", "tokens_per_s", "staleness_max", "ttft_ms",
             "logprob_diff_mean", "logprob_diff_max", "peak_gib", "busy", "pull_ms", "eng_steps",
-            "drained", "eager", "eager_tok", "prefix_hit", "preempt", "spread", "gen_tok_s")  # fmt: skip
+            "drained", "eager", "eager_tok", "prefix_hit", "preempt", "spread", "gen_tok_s", "rounds")  # fmt: skip
     print(" | ".join(cols))
     for row in rows:
         print(" | ".join(f"{row.get(c, float('nan')):.3f}" if isinstance(row.get(c), float)

@@ -36,3 +36,26 @@ def test_validation_reports_each_rubric_function_with_errors_counted_as_zero():
     assert out["validation_reward/mean"] == (1.0 + 0.1) / 4
     assert out["validation_reward/solved"] == 1 / 4
     assert abs(out["validation_reward/score"] - 1.1 / 4) < 1e-12
+
+
+def test_generated_tokens_count_every_group_sampled_filtered_ones_too():
+    from types import SimpleNamespace
+
+    from torchtitan_rl.controller.report import StepReport
+    from torchtitan_rl.rollout.rollouter import CollectedBatch
+
+    def group(gid: int, tokens: int) -> RolloutGroup:
+        turn = SimpleNamespace(completion=SimpleNamespace(num_tokens=tokens))
+        rollout = Rollout(group_id=gid, rollout_id=0, session_id=str(gid), sample={})
+        rollout.turns = [turn, turn]
+        return RolloutGroup(group_id=gid, rollouts=[rollout])
+
+    batch = CollectedBatch(
+        groups=[group(0, 3)], next_index=2, rounds=2, filtered=[group(1, 5)], surplus=[]
+    )
+    report = StepReport(
+        step=1, batch=batch, train={}, version=0, generate_seconds=2.0,
+        trainer_wait_seconds=0.0, train_seconds=0.0, sync_seconds=0.0,
+        generator_wait_seconds=0.0, step_seconds=1.0, generators={},
+    )  # fmt: skip
+    assert report.generated_tokens() == 2 * 3 + 2 * 5  # the filtered group's 10 too

@@ -42,9 +42,13 @@ class StepReport:
     """The fleet's scalars: generator/replicas_alive, generator/requests_rerouted."""
 
     def generated_tokens(self) -> int:
-        """Tokens the generators sampled for the trained groups."""
+        """Tokens the generators sampled for the step: every group sampled, trained or not
+        (filtered, surplus and stale groups cost generation time too)."""
         return sum(
-            t.completion.num_tokens for g in self.batch.groups for r in g.rollouts for t in r.turns
+            t.completion.num_tokens
+            for g in self.batch.sampled()
+            for r in g.rollouts
+            for t in r.turns
         )
 
     def metrics(self) -> dict[str, float]:
