@@ -101,8 +101,8 @@ class GeneratorActor(Actor):
     async def weights_receive(self, key: str, payload: Any, index: int) -> int:
         """Receive the next version by sync `key`'s transport (`payload`: what the trainer
         returned, for a transport through the controller) into memory of this process's
-        own, then queue what the engine loads for it (adapters: merged into the base here);
-        the engine applies it between steps. Returns the version."""
+        own, then queue what the engine loads for it (adapters: merged with the base as the
+        engine copies them in); the engine applies it between steps. Returns the version."""
         version, load = await self.sync_side.take(
             key, payload, index, DTYPES[self.engine.config.dtype]
         )
