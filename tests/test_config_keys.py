@@ -415,3 +415,30 @@ def test_training_compile_wraps_every_block_forward(compile):
     core = _core(compile=compile)
     compiled = ["_torchdynamo_orig_callable" in dir(b.forward) for b in core.model.layers.values()]
     assert compiled == [compile] * len(core.model.layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key", ["training.gpu_memory_gib", "generator.gpu_memory_gib"])
+def test_gpu_memory_gib_makes_an_allocation_past_it_fail(key):
+    """The cap each actor sets at start (actors/trainer.py, actors/generator.py): past it
+    torch's allocator raises out of memory, below it allocations succeed; a cap larger
+    than the GPU is refused naming the key."""
+    from torchtitan_rl.device import cap_gpu_memory
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_reserved(device)
+    try:
+        cap_gpu_memory(device, held / 2**30 + 1.0, key)  # 1 GiB on top of what is held
+        kept = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)  # 0.5 GiB fits
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(2**30, dtype=torch.uint8, device=device)  # 0.5 + 1 GiB does not
+        del kept
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        with pytest.raises(ValueError, match=f"{key}=.* GiB is more than GPU"):
+            cap_gpu_memory(device, total + 1, key)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()

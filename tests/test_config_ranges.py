@@ -50,6 +50,8 @@ TINY = Path(__file__).resolve().parents[1] / "train_configs" / "alphabet_sort_ti
         ("--rollout.max_sampling_rounds=-1", "rollout.max_sampling_rounds must be >= 0, got -1"),
         ("--generator.max_num_seqs=0", "generator.max_num_seqs must be >= 1, got 0"),
         ("--generator.num_blocks=-1", "generator.num_blocks must be 0 or >="),
+        ("--generator.gpu_memory_gib=-1", "generator.gpu_memory_gib must be finite and >= 0"),
+        ("--training.gpu_memory_gib=nan", "training.gpu_memory_gib must be finite and >= 0"),
         ("--env.step_timeout_s=nan", "env.step_timeout_s must be a finite number > 0"),
         ("--env.workers=-1", "env.workers must be >= 0 (0: on the event loop), got -1"),
         ("--env.args.reward_power=inf", "env.args.reward_power must be finite and > 0, got inf"),

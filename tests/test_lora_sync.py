@@ -8,6 +8,7 @@ request admitted after an adapter version never reuses KV blocks of the version 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -230,3 +231,153 @@ def test_request_admitted_after_an_adapter_version_never_reuses_older_kv(recompu
     assert later.policy_version_min == later.policy_version_max == 2
     np.testing.assert_array_equal(later.token_ids_N, clean.token_ids_N)
     np.testing.assert_allclose(later.logprobs_N, clean.logprobs_N, atol=1e-6, rtol=0)
+
+
+def test_merges_are_made_one_at_a_time_as_the_engine_copies_them(monkeypatch):
+    """The engine gets a lazy state: each merged weight is made when the engine reads it,
+    and the one before is gone by then (one weight's temporaries on the device at a time),
+    with the values of merging all at once; the first state brings the base's other weights
+    along, later ones only the merges."""
+    from torchtitan_rl.weight_sync.lora_sync import MergedWeights
+
+    v1, merged_v1 = _adapters(1, seed=1)
+    v2, merged_v2 = _adapters(2, seed=2)
+    made, alive_when_next_made = [], []
+    make = MergedWeights.__getitem__
+
+    def recording(self, name):
+        alive_when_next_made.append(sum(ref() is not None for ref in made))
+        out = make(self, name)
+        if name in self._adapters:
+            made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(MergedWeights, "__getitem__", recording)
+    engine = make_engine()
+    lora = LoRABase(pack_weights(tiny_qwen3().state_dict(), 0), base_id=9, device="cpu")
+    for packed, merged, partial in ((v1, merged_v1, False), (v2, merged_v2, True)):
+        made.clear()
+        alive_when_next_made.clear()
+        state, got_partial = lora.merge(packed, torch.float32)
+        assert isinstance(state, MergedWeights) and got_partial == partial
+        assert len(state) == (len(merged) if not partial else 4)  # 2 layers x (wq, w1)
+        engine.load_weights(state, packed.version, partial=partial)
+        assert len(made) == 4 and set(alive_when_next_made) == {0}
+        params = dict(engine.model_parameters())
+        for name, want in merged.items():
+            assert torch.equal(params[name], want), name
+
+
+@pytest.mark.parametrize("transport", ["controller", "delta"])
+def test_a_base_sync_drops_its_buffers_on_both_sides_before_freeing_memory(monkeypatch, transport):
+    """The trainer's BASE sender (its buffer as large as the model) is dropped as the sync
+    closes, not kept for a hand-over like other senders; the generator hands its received
+    buffer back once the base is in host memory, its receiver with it where no group is
+    left (through the controller; with CUDA IPC the trainer's buffer is then free), else at
+    the next sync, which replaces the group's receiver (and the delta's copy of the base)."""
+    import torchtitan_rl.weight_sync.sides as sides
+
+    trainer, gen = _trainer(), _generator()
+    buffers, receivers, released = [], [], []
+    open_, join = SendingSide.open, ReceivingSide.join
+
+    def recording_open(self, *args, **kwargs):
+        offer = open_(self, *args, **kwargs)
+        buffers.append((self.payload, weakref.ref(self.sender)))
+        return offer
+
+    async def recording_join(self, *args, **kwargs):
+        await join(self, *args, **kwargs)
+        receivers.append((self.payload, weakref.ref(self.receiver)))
+
+    def release(device):  # what is still held when memory is handed back
+        released.append([(p, ref() is not None) for p, ref in buffers + receivers])
+
+    monkeypatch.setattr(SendingSide, "open", recording_open)
+    monkeypatch.setattr(ReceivingSide, "join", recording_join)
+    monkeypatch.setattr(sides, "release_cached_memory", release)
+
+    async def run_syncs():
+        sync = await WeightSync.create(_Mesh(trainer), [_Mesh(gen)], "float32", transport)
+        await sync()
+        await sync.close()  # an adapter sync's sender is kept for a hand-over
+
+    asyncio.run(run_syncs())
+    base, adapters = Payload.BASE, Payload.ADAPTERS
+    if transport == "controller":  # the generator's release, then the trainer's
+        assert released == [[(base, True), (base, False)], [(base, False), (base, False)]]
+    else:  # and the generator's again as the adapter sync replaces its receiver
+        assert released == [
+            [(base, True), (base, True)], [(base, False), (base, True)],
+            [(base, False), (adapters, True), (base, False)],
+        ]  # fmt: skip
+    assert [(p, ref() is not None) for p, ref in buffers + receivers] == [
+        (base, False), (adapters, True), (base, False), (adapters, True),
+    ]  # fmt: skip
+    assert trainer.sync_side.closed is not None and gen.sync_side.held_base != -1
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_base_waits_in_locked_host_memory_and_merges_bit_for_bit():
+    """A generator on a GPU keeps none of the base there: the base is in page-locked host
+    memory, and each merge (its base copied over as it is made) has the bits of the same
+    merge with the base on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda")
+    base = {k: v.to(device, torch.bfloat16) for k, v in tiny_qwen3().state_dict().items()}
+    v1, _ = _adapters(1, seed=1)
+    v1.flat_P = v1.flat_P.to(device)
+    packed = pack_weights(base, 0, torch.bfloat16)
+    packed.flat_P = packed.flat_P.to(device)
+    before = torch.cuda.memory_allocated(device)
+    lora = LoRABase(packed, base_id=9, device=device)
+    del packed
+    assert lora.host.locked and lora.host.flat_P.device.type == "cpu"
+    assert torch.cuda.memory_allocated(device) <= before - lora.nbytes()  # the packed base went
+    state, _ = lora.merge(v1, torch.bfloat16)
+    tensors = unpack_weights(v1)
+    for name in [k.removesuffix(".lora_A") for k in tensors if k.endswith(".lora_A")]:
+        a, b, w = tensors[f"{name}.lora_A"], tensors[f"{name}.lora_B"], base[f"{name}.weight"]
+        want = (w.float() + 2.0 * (b.float() @ a.float())).to(torch.bfloat16)
+        assert torch.equal(state[f"{name}.weight"], want), name
+
+
+@pytest.mark.gpu
+def test_a_lora_generator_sharing_the_trainer_gpu_holds_the_merged_weights_bit_for_bit(tmp_path):
+    """The whole path on one GPU (trainer and generator processes, CUDA IPC): the base
+    once, then adapters merged from host memory; after the start and a 2-step warm start
+    the generator holds what a merged sync packs on the trainer's GPU, bit for bit."""
+    from pathlib import Path
+
+    from torchtitan_rl.config import load_config
+    from torchtitan_rl.controller.loop import Controller
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    config = load_config(
+        Path(__file__).resolve().parents[1] / "train_configs" / "alphabet_sort_tiny.toml",
+        [f"--job.output_dir={tmp_path}", "--parallelism.device=cuda",
+         "--parallelism.trainer_procs=1", "--warm_start.steps=2", "--warm_start.batch_size=4",
+         "--training.dtype=bfloat16", "--generator.dtype=bfloat16", "--lora.rank=4",
+         "--generator.max_num_seqs=4", "--generator.cuda_graphs=false"],
+    )  # fmt: skip
+
+    async def scenario():
+        controller = Controller(config, use_tqdm=False)
+        try:
+            await controller.start()
+            await controller.warm_start()
+            sync = controller.fleet.weight_sync
+            published = await controller.trainer.publish_weights.call("bfloat16")
+            packed = [p for p in published.values() if p is not None][0]
+            got = await controller.fleet.actors[0].weights.call_one()
+            return sync.transport, sync.payload, unpack_weights(packed), got
+        finally:
+            await controller.close()
+
+    transport, payload, want, got = asyncio.run(scenario())
+    assert (transport, payload) == ("cuda_ipc", Payload.ADAPTERS)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name

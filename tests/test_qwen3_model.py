@@ -223,3 +223,71 @@ def test_hf_loads_into_transformers_parity_when_available(tmp_path):
         ours = _full_logprobs(source, tokens)[0]
         theirs = torch.log_softmax(hf(tokens).logits[0].double(), -1)
     np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=1e-4)
+
+
+def _built_the_old_way(config: ModelConfig, seed: int):
+    """The whole model materialised in fp32, then torchtitan's init_weights."""
+    from torchtitan_rl.models.qwen3 import PolicyModel, model_args
+
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = PolicyModel(model_args(config, VOCAB))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return model
+
+
+def _recording_init(blocks: list):
+    """PolicyModel.__init__ that also records the model's blocks in `blocks`."""
+    from torchtitan_rl.models.qwen3 import PolicyModel
+
+    init = PolicyModel.__init__
+
+    def record(self, args):
+        init(self, args)
+        blocks.extend(self.layers.values())
+
+    return record
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_block_by_block_build_holds_the_fp32_init_cast_to_its_dtype(monkeypatch, tied, dtype):
+    """build_model draws each block in fp32 and casts it before the next: every parameter is
+    bit for bit the whole-model fp32 init cast to `dtype`, tied weights stay one tensor,
+    buffers stay fp32, and the random stream ends where the fp32 build's ends."""
+    from torchtitan_rl.models.qwen3 import BUILTIN_ARGS, TINY_ARGS, PolicyModel
+
+    monkeypatch.setitem(BUILTIN_ARGS, "tied", {**TINY_ARGS, "enable_weight_tying": tied})
+    config = ModelConfig(flavor="tied")
+    want = _built_the_old_way(config, seed=3)
+    after_want = torch.rand(4)
+    from torchtitan.models.qwen3.model.model import TransformerBlock
+
+    fp32_blocks_seen, block_init = [], TransformerBlock.init_weights
+
+    def init_and_count(block, buffer_device):  # what is held in fp32 while a block draws
+        fp32_blocks_seen.append(
+            sum(any(p.dtype == torch.float32 and not p.is_meta for p in b.parameters())
+                for b in got_blocks)
+        )  # fmt: skip
+        block_init(block, buffer_device)
+
+    got_blocks = []
+    monkeypatch.setattr(PolicyModel, "__init__", _recording_init(got_blocks))
+    monkeypatch.setattr(TransformerBlock, "init_weights", init_and_count)
+    torch.manual_seed(3)
+    got = build_model(config, VOCAB, torch.device("cpu"), dtype)
+    assert torch.equal(torch.rand(4), after_want)
+    # bf16: only the block being drawn is fp32 (fp32: all of them, as before)
+    n = len(got_blocks)
+    assert fp32_blocks_seen == ([1] * n if dtype == torch.bfloat16 else list(range(1, n + 1)))
+    got_params = dict(got.named_parameters(remove_duplicate=False))
+    assert got_params.keys() == dict(want.named_parameters(remove_duplicate=False)).keys()
+    for name, p in want.named_parameters(remove_duplicate=False):
+        assert got_params[name].dtype == dtype, name
+        assert torch.equal(got_params[name], p.detach().to(dtype)), name
+    assert (got.output.weight is got.tok_embeddings.weight) == tied
+    for name, b in want.named_buffers():
+        assert torch.equal(dict(got.named_buffers())[name], b), name

@@ -32,6 +32,33 @@ def pick_device(kind: str, cpu_threads: int = 0, gpu: int | None = None) -> torc
     return torch.device("cuda", gpu)
 
 
+def cap_gpu_memory(device: torch.device, gib: float, key: str) -> None:
+    """Caps what torch's caching allocator may hold on `device` in this process at `gib`
+    GiB (config key `key`; 0: no cap), so a process that would grow past its share of a
+    shared GPU fails with CUDA out of memory instead of taking memory from its neighbour.
+    Outside the cap: the CUDA context, NCCL's buffers and memory this process opened from
+    another (CUDA IPC). Nothing off CUDA."""
+    if not gib or device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    if gib * 2**30 > total:
+        raise ValueError(
+            f"{key}={gib} GiB is more than GPU {device.index}'s {total / 2**30:.2f} GiB; "
+            f"use at most that, or 0 for no cap"
+        )
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, device)
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Hands the device memory torch's caching allocator holds unused back to the device,
+    and first frees this process's blocks that other processes had opened by CUDA IPC and
+    have let go of since: after a one-time buffer (a LoRA base sync's) is dropped, so a
+    process sharing the GPU can use that memory. Nothing off CUDA."""
+    if device.type == "cuda":
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
+
+
 def describe_device(device: torch.device) -> dict:
     """Where this process computes, for the log and the run summary: host, pid, and on a GPU
     its index, UUID and the peak memory torch has reserved on it so far."""

@@ -12,7 +12,7 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint
 
 from torchtitan_rl.actors.fault_log import enable_fault_log
-from torchtitan_rl.device import DTYPES, describe_device, pick_device
+from torchtitan_rl.device import DTYPES, cap_gpu_memory, describe_device, pick_device
 from torchtitan_rl.generation.backends import traits
 from torchtitan_rl.generation.interface import EngineConfig, GenerationEngine, error_completion
 from torchtitan_rl.models.qwen3 import ModelConfig
@@ -53,6 +53,7 @@ class GeneratorActor(Actor):
         self.actor_name = actor_name
         # sets the current GPU for this thread, which in Monarch 0.7 also runs every endpoint
         dev = self.device = pick_device(device, cpu_threads, gpu)
+        cap_gpu_memory(dev, engine.gpu_memory_gib, "generator.gpu_memory_gib")
         self.engine = build_engine(model, engine, vocab_size, dev, hf_folder)
         self.sync_side = ReceivingSide(dev)
         """This generator's half of the current weight sync (weight_sync/sides.py)."""
@@ -100,14 +101,15 @@ class GeneratorActor(Actor):
     async def weights_receive(self, key: str, payload: Any, index: int) -> int:
         """Receive the next version by sync `key`'s transport (`payload`: what the trainer
         returned, for a transport through the controller) into memory of this process's
-        own, then queue what the engine loads for it (adapters: merged into the base here);
-        the engine applies it between steps. Returns the version."""
-        packed = await self.sync_side.receive(key, payload, index)
-        load = self.sync_side.engine_weights(packed, DTYPES[self.engine.config.dtype])
+        own, then queue what the engine loads for it (adapters: merged with the base as the
+        engine copies them in); the engine applies it between steps. Returns the version."""
+        version, load = await self.sync_side.take(
+            key, payload, index, DTYPES[self.engine.config.dtype]
+        )
         if load is not None:
             state, partial = load
-            self.engine.load_weights(state, packed.version, partial=partial)
-        return packed.version
+            self.engine.load_weights(state, version, partial=partial)
+        return version
 
     @concurrent_endpoint
     async def weights(self) -> dict[str, torch.Tensor]:

@@ -9,7 +9,14 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from torchtitan_rl.actors.fault_log import enable_fault_log
-from torchtitan_rl.device import DTYPES, describe_device, init_process_group, pick_device
+from torchtitan_rl.device import (
+    DTYPES,
+    cap_gpu_memory,
+    describe_device,
+    init_process_group,
+    pick_device,
+    release_cached_memory,
+)
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
 from torchtitan_rl.models.hf_export import export_hf
@@ -56,6 +63,7 @@ class TrainerActor(Actor):
         self.fault_log = enable_fault_log(log_dir, "trainer", self.rank)
         local = int(os.environ.get("LOCAL_RANK", "0"))
         dev = pick_device(device, cpu_threads, gpus[local] if gpus else None)
+        cap_gpu_memory(dev, training.gpu_memory_gib, "training.gpu_memory_gib")
         init_process_group(dev)
         self.core = TrainerCore(
             model_config=model,
@@ -145,8 +153,9 @@ class TrainerActor(Actor):
             Payload.BASE: next(iter(state.values())).dtype,
         }[Payload(payload)]  # fmt: skip
         return self.sync_side.open(
-            key, transport, state=state, dtype=dtype, receivers=receivers, backend=backend
-        )
+            key, transport, state=state, dtype=dtype, receivers=receivers, backend=backend,
+            payload=payload,
+        )  # fmt: skip
 
     @endpoint
     async def weights_form(self, key: str) -> None:
@@ -164,6 +173,8 @@ class TrainerActor(Actor):
         state = self._payload_state(payload)
         if self.rank != 0:
             gather_into(state, None)
+            if payload == Payload.BASE:  # its gathers' full tensors: once per generator
+                release_cached_memory(self.core.device)
             return None
         return self.sync_side.send(key, state, self.core.policy_version)
 

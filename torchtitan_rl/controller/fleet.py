@@ -149,6 +149,7 @@ class GeneratorFleet:
         members = [r for r in self.replicas if r.up or r.joining]
         if self.weight_sync is not None:
             await self.weight_sync.close()
+        t0 = time.perf_counter()
         self.weight_sync = await WeightSync.create(
             self.trainer, [r.actor for r in members], cfg.generator.dtype,
             cfg.weight_sync.transport,
@@ -158,7 +159,10 @@ class GeneratorFleet:
         sync = self.weight_sync
         backend = f" ({sync.backend})" if sync.backend else ""
         base = f", the base to {sync.base_sent_to} first" if sync.base_sent_to else ""
-        logger.info("weight sync: %s%s, %s%s", sync.transport, backend, sync.payload, base)
+        logger.info(
+            "weight sync: %s%s, %s%s; opened in %.2f s",
+            sync.transport, backend, sync.payload, base, time.perf_counter() - t0,
+        )  # fmt: skip
 
     def _spawn(self, mesh, index: int, name: str):
         placement = self.meshes.placement

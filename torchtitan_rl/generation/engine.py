@@ -77,10 +77,11 @@ class _Sampled:
 def build_native_engine(model, config: EngineConfig, vocab_size: int, device, hf_folder: str):
     """The `generator.backend = "native"` factory (generation/backends.py): an `Engine` over
     a freshly built policy model (`model`: a `ModelConfig`); its weights arrive by the first
-    sync, so `hf_folder` is unused."""
+    sync, so `hf_folder` is unused. Built in the engine's dtype (no fp32 copy of the whole
+    model on the device at any time)."""
     from torchtitan_rl.models.qwen3 import build_model
 
-    return Engine(build_model(model, vocab_size, device), config, device)
+    return Engine(build_model(model, vocab_size, device, DTYPES[config.dtype]), config, device)
 
 
 class Engine(EngineFront):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ import torch
 from torchtitan_rl.generation.interface import EngineConfig, error_completion, request_error
 from torchtitan_rl.types import Completion, SamplingParams
 
-Weights = tuple[dict[str, torch.Tensor], int, bool]
+Weights = tuple[Mapping[str, torch.Tensor], int, bool]
 """(state in torchtitan names, policy version, partial) as queued by `load_weights`."""
 
 
@@ -140,7 +141,7 @@ class EngineFront:
         return await future
 
     def load_weights(
-        self, state: dict[str, torch.Tensor], version: int, *, partial: bool = False
+        self, state: Mapping[str, torch.Tensor], version: int, *, partial: bool = False
     ) -> None:
         """Queues new weights (torchtitan names, full tensors); they are pulled in between
         engine steps (see `EngineConfig.weight_sync_mode`), or now if nothing has started

@@ -10,6 +10,7 @@ The asyncio front both engines share (`EngineFront`) lives in generation/front.p
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
 
@@ -77,6 +78,11 @@ class EngineConfig:
     decode_attention: DecodeAttention = "auto"
     """Native only. Decode-step attention: "auto" (triton on CUDA, else gather) | "gather" (any device) |
     "triton" (paged kernel, CUDA only)."""
+    gpu_memory_gib: float = 0.0
+    """Most GPU memory torch may hold in each generator process, in GiB (>= 0; 0: no cap):
+    weights, KV cache (`num_blocks`), CUDA graphs, weight syncs; going past it fails with
+    CUDA out of memory. For a GPU shared with the trainer (see training.gpu_memory_gib).
+    The CUDA context (~0.5 GiB) is outside it. No effect on CPU."""
     cuda_graphs: bool = True
     """On a CUDA device, compile the decode layers with torch.compile and capture the decode
     step as CUDA graphs (one per batch and context bucket, at engine start; vllm: its
@@ -92,6 +98,7 @@ class EngineConfig:
                 f"got {self.on_replica_death!r}"
             )
         check_range("generator.block_size", self.block_size, ge=0)
+        check_range("generator.gpu_memory_gib", self.gpu_memory_gib, ge=0)
         check_range("generator.max_seq_len", self.max_seq_len, ge=2)
         if self.dtype not in DTYPES:
             raise ValueError(f"generator.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
@@ -151,10 +158,11 @@ class GenerationEngine(Protocol):
         """One completion with its sampling settings; an invalid request is an ERROR one."""
 
     def load_weights(
-        self, state: dict[str, torch.Tensor], version: int, *, partial: bool = False
+        self, state: Mapping[str, torch.Tensor], version: int, *, partial: bool = False
     ) -> None:
         """Queue full weights (torchtitan names), or with `partial` only those that changed
-        (a backend whose row has `adapter_sync`); applied between engine steps."""
+        (a backend whose row has `adapter_sync`, which may get a mapping that makes each
+        weight as it is read: lora_sync.py `MergedWeights`); applied between engine steps."""
 
     def model_parameters(self):
         """(name, tensor) of the model the engine computes with, in its own names and

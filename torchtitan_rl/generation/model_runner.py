@@ -26,6 +26,7 @@ positions (N * block_size), E = model dim, Hq / Hkv = query / key-value heads
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -198,12 +199,15 @@ class ModelRunner:
         return torch.cat([self.forward_decode(decode, tokens_D), logits_PV])
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, torch.Tensor], *, partial: bool = False) -> None:
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], *, partial: bool = False) -> None:
         """Copies every weight in place (torchtitan names, e.g. `layers.0.attention.wq.weight`).
 
         The state must cover every parameter (a tied parameter under either name) unless
         `partial` (an adapter-only sync's merged weights); tensors must be plain (call
-        `full_tensor()` on DTensors first) and may be any dtype/device.
+        `full_tensor()` on DTensors first) and may be any dtype/device. A `dict` is copied
+        in one batched copy; any other mapping (an adapter-only sync's `MergedWeights`,
+        whose values are made as they are read) one name at a time, each weight copied
+        before the next is read, so only one of them need exist at a time.
         """
         unknown = sorted(set(state) - set(self._params))
         if unknown:
@@ -212,19 +216,31 @@ class ModelRunner:
         missing = [name for name, p in self._params.items() if id(p) not in covered]
         if missing and not partial:
             raise ValueError(f"state is missing parameters: {missing[:5]}")
+        if not isinstance(state, dict):
+            self._load_one_by_one(state)
+            return
         pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, tensor in state.items():
             param = self._params[name]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"state[{name!r}] has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}"
-                )
+            _check_shape(name, tensor, param)
             pairs[id(param)] = (param, tensor)  # a tied parameter is written once
         params, tensors = zip(*pairs.values(), strict=True)
         # one batched copy (dtype conversion included) instead of one launch per weight
         with torch.no_grad():
             torch._foreach_copy_(list(params), list(tensors))
+
+    @torch.no_grad()
+    def _load_one_by_one(self, state: Mapping[str, torch.Tensor]) -> None:
+        written: set[int] = set()
+        for name in state:
+            param = self._params[name]
+            if id(param) in written:  # a tied parameter is written once
+                continue
+            tensor = state[name]
+            _check_shape(name, tensor, param)
+            param.copy_(tensor)
+            written.add(id(param))
+            del tensor  # gone before the next weight is made
 
     def decode_inputs(self, batch: list[SeqInput], num_rows: int, num_blocks: int):
         """Host-built decode tensors padded to `num_rows` rows and `num_blocks` table
@@ -441,6 +457,13 @@ class ModelRunner:
 def _staged(values: list, device: torch.device) -> torch.Tensor:
     """A host list on `device` without waiting for the device's queued work."""
     return to_device_async(torch.tensor(values), device)
+
+
+def _check_shape(name: str, tensor: torch.Tensor, param: torch.Tensor) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(
+            f"state[{name!r}] has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+        )
 
 
 def _layer_qkv(layer: torch.nn.Module, h_BE: torch.Tensor, cos_B1D, signed_sin_B1D):

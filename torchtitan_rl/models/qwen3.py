@@ -277,14 +277,17 @@ class PolicyModel(Qwen3Model):
         return self.output(hidden_ND, targets_N, temperature, support)
 
 
-def build_model(config: ModelConfig, vocab_size: int, device: torch.device) -> PolicyModel:
-    """A PolicyModel on `device` with initialised (or Hugging Face) weights, fp32."""
+def build_model(
+    config: ModelConfig, vocab_size: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> PolicyModel:
+    """A PolicyModel on `device` with initialised (or Hugging Face) weights; its parameters
+    in `dtype` (buffers stay fp32). Every weight is drawn in fp32 and then cast, so a model
+    built in bf16 holds the values of one built in fp32 and cast, without ever holding the
+    whole model in fp32 (`_init_by_block`)."""
     args = model_args(config, vocab_size)
     with torch.device("meta"):
         model = PolicyModel(args)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights(buffer_device=device)
+    _init_by_block(model, device, dtype)
     if config.hf_checkpoint:
         load_hf_weights(model, config.hf_checkpoint)
     if device.type == "cpu":
@@ -293,6 +296,43 @@ def build_model(config: ModelConfig, vocab_size: int, device: torch.device) -> P
         for layer in model.layers.values():
             layer.attention.inner_attention = FlexAttentionWrapper()
     return model
+
+
+@torch.no_grad()
+def _init_by_block(model: PolicyModel, device: torch.device, dtype: torch.dtype) -> None:
+    """torchtitan's `init_weights` on a meta-device model, materialising each transformer
+    block in fp32 just before its init and casting it to `dtype` right after, so the fp32
+    copy alive at any time is one block plus the embeddings, norm and head (the 8B shape:
+    0.8 GB instead of 28 GB, which the caching allocator would keep as fragments after the
+    cast). The random stream is drawn in torchtitan's own order, so the values are those of
+    `to_empty` + `init_weights` in fp32 followed by a cast (tests/test_qwen3_build.py)."""
+
+    def cast(module: nn.Module) -> None:
+        for p in module.parameters():
+            p.data = p.data.to(dtype)
+
+    def block_init(block: nn.Module, init):
+        def init_then_cast(buffer_device):
+            block.to_empty(device=device)
+            init(buffer_device)
+            cast(block)
+
+        return init_then_cast
+
+    blocks = list(model.layers.values())
+    for name, child in model.named_children():
+        if name != "layers":
+            child.to_empty(device=device)
+    for block in blocks:  # an instance attribute: torchtitan's loop calls it in its order
+        block.init_weights = block_init(block, block.init_weights)
+    try:
+        model.init_weights(buffer_device=device)
+    finally:
+        for block in blocks:
+            del block.init_weights
+    cast(model)
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not meta, f"left on the meta device by init_weights: {meta[:3]}"
 
 
 def load_hf_weights(model: PolicyModel, folder: str) -> None:

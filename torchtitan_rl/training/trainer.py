@@ -68,7 +68,10 @@ class TrainerCore:
         """Which base weights (and adapter shape) this trainer's adapters belong to; the
         checkpoint records it and a resume must match it."""
         torch.manual_seed(seed)  # same init on every rank and in the generator
-        self.model: PolicyModel = build_model(model_config, vocab_size, device)
+        # [lora]: built straight in the frozen base's dtype (the values of an fp32 build
+        # cast to it, never a whole fp32 copy: the 8B shape's would be 28 GB)
+        dtype = DTYPES[training.dtype] if self.lora.enabled else torch.float32
+        self.model: PolicyModel = build_model(model_config, vocab_size, device, dtype)
         self._add_adapters(self.model)
         if tp > 1 and not self.distributed:
             raise ValueError(f"parallelism.tp={tp} needs a process group of tp ranks")

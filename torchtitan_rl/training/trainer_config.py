@@ -38,6 +38,11 @@ class TrainingConfig:
     """Compile each transformer block with torch.compile (one graph per block: norms, RoPE,
     attention and MLP fused by Inductor). The first step pays the compilation; meant for GPU,
     works on CPU too."""
+    gpu_memory_gib: float = 0.0
+    """Most GPU memory torch may hold in each trainer process, in GiB (>= 0; 0: no cap); a
+    step that needs more fails with CUDA out of memory. For a GPU shared with a generator
+    (parallelism.placement = "shared"): with generator.gpu_memory_gib it splits the GPU.
+    The CUDA context (~0.5 GiB) is outside it. No effect on CPU."""
 
     def lr_factor(self, step: int) -> float:
         """The learning rate of optimizer step `step` (from 0), as a fraction of `lr`."""
@@ -62,6 +67,7 @@ class TrainingConfig:
         check_range("training.warmup_steps", self.warmup_steps, ge=0)
         check_range("training.weight_decay", self.weight_decay, ge=0)
         check_range("training.max_grad_norm", self.max_grad_norm, ge=0)
+        check_range("training.gpu_memory_gib", self.gpu_memory_gib, ge=0)
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"training.dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         if not isinstance(self.compile, bool):

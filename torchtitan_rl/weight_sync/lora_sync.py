@@ -18,19 +18,25 @@ trainer merges for a FULL sync (base in the trainer's dtype -> fp32, + scale * (
 fp32, then the engine dtype), so its weights are bit for bit what a FULL sync delivers (on
 the same device type; FSDP over several ranks merges row blocks, which a BLAS may round
 differently). The engine loads the merges like any weights: between engine steps, as a
-new version and a new KV epoch (`load_weights(..., partial=True)`).
+new version and a new KV epoch (`load_weights(..., partial=True)`). Each merged weight is
+made when the engine reads it (`MergedWeights`), so the merges never all exist at once.
 
 Who holds the base: the trainer's sending side draws a random id per process
 (`SendingSide.base_id`); a generator keeps the id its BASE came with. Whenever a sync opens
 (at start, and after each change of the set of generators) those whose id differs (fresh or
 restarted replicas) first get a BASE sync of their own (transport.py).
 
-Generator memory: the base of every adapted weight, in the trainer's dtype, for the run
-(docs/benchmarks.md, "Adapter-only weight sync").
+Generator memory: the base, in the trainer's dtype, kept in host memory for the run
+(page-locked when the generator computes on a GPU: `HostCopy`); each sync copies the base of
+every adapted weight to the device, one weight at a time, as it merges it (the 8B shape:
+13.9 GB host to device per sync, no GPU memory kept; docs/benchmarks.md, "Adapter-only
+weight sync").
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator, Mapping
 from enum import StrEnum
 
 import torch
@@ -62,48 +68,117 @@ def adapter_payload(state: dict[str, torch.Tensor], scale: float) -> dict[str, t
     return out
 
 
+class HostCopy:
+    """`src_P` (a flat buffer of one's own: nothing writes it in place) in this process's
+    host memory, for a process computing on `device`: the buffer itself when it is in host
+    memory already, else a copy. For a GPU its pages are locked (cudaHostRegister), so
+    host-to-device copies from it run at full speed and asynchronously; at its exact size,
+    where torch's pinned allocator would round up to a power of two (13.9 GB -> 16 GiB)
+    and keep the block. The pages are unlocked when this object goes, once the device has
+    finished any copy from them."""
+
+    def __init__(self, src_P: torch.Tensor, device: torch.device):
+        on_host = src_P.device.type == "cpu"
+        self.flat_P = src_P if on_host else torch.empty(src_P.shape, dtype=src_P.dtype)
+        self.locked = device.type == "cuda" and self.flat_P.numel() > 0
+        """Whether the pages are locked (tests)."""
+        if self.locked:  # before the copy from a GPU, which then runs at full speed too
+            _lock_pages(self.flat_P)
+            unlock = weakref.finalize(self, _unlock_pages, self.flat_P.data_ptr(), device)
+            unlock.atexit = False  # the process's pages go with it anyway
+        if not on_host:
+            self.flat_P.copy_(src_P)
+
+
+def _lock_pages(host: torch.Tensor) -> None:
+    nbytes = host.numel() * host.element_size()
+    error = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)
+    if int(error) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {error}")
+
+
+def _unlock_pages(ptr: int, device: torch.device) -> None:
+    torch.cuda.synchronize(device)  # no copy from these pages may still be in flight
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class MergedWeights(Mapping[str, torch.Tensor]):
+    """What the engine loads for one ADAPTERS payload, made as it is read: W = base + scale
+    * B @ A in `dtype` for every adapted weight (its base copied from host memory to
+    `device` right then), and for the first payload after a base the base's other weights
+    as they are (host tensors, which the engine's copy moves and casts). The engine reads
+    one name at a time and copies the weight into place before reading the next
+    (`ModelRunner.load_state_dict`), so one weight's temporaries (the 8B shape's largest:
+    ~0.8 GB) live on the device at a time, never every merge at once."""
+
+    def __init__(
+        self, host: HostCopy, bases: dict[str, torch.Tensor],
+        adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float,
+        dtype: torch.dtype, device: torch.device, others: dict[str, torch.Tensor],
+    ):  # fmt: skip
+        self._host = host  # the pages stay locked while a copy from them may be queued
+        self._bases, self._adapters, self._others = bases, adapters, others
+        self._scale, self._dtype, self._device = scale, dtype, device
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._others:
+            return self._others[name]
+        a, b = self._adapters[name]
+        w = self._bases[name].to(self._device, non_blocking=True)
+        # as models/lora.py `merged_weight`, so the result equals a FULL sync's bits
+        return (w.float() + self._scale * (b.float() @ a.float())).to(self._dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._others
+        yield from self._adapters
+
+    def __len__(self) -> int:
+        return len(self._others) + len(self._adapters)
+
+
 class LoRABase:
-    """A generator's copy of the frozen base (a BASE payload) and what it merges with
-    each ADAPTERS payload."""
+    """A generator's copy of the frozen base (a BASE payload), in host memory, and what it
+    merges with each ADAPTERS payload."""
 
     def __init__(self, base: PackedWeights, base_id: int, device: torch.device):
         self.base_id = base_id
         """The trainer's id of this base (`SendingSide.base_id`)."""
-        self.device = device
-        self.pending: dict[str, torch.Tensor] | None = unpack_weights(base)
-        """Every base weight until the first merge hands them to the engine; then None (the
-        buffer is freed, only `adapted` stays)."""
+        self.device = torch.device(device)
+        self.host = HostCopy(base.flat_P, self.device)
+        """The whole base in host memory, for the run (`base` may be freed once this is
+        made: nothing here refers to it)."""
+        host = PackedWeights(version=base.version, flat_P=self.host.flat_P, layout=base.layout)
+        self.pending: dict[str, torch.Tensor] | None = unpack_weights(host)
+        """Every base weight until the first merge hands the others to the engine; then
+        None (only `adapted` is read from then on)."""
         self.adapted: dict[str, torch.Tensor] = {}
-        """The base of each adapted weight by its name, on `device`, in the trainer's dtype."""
+        """The base of each adapted weight by its name: views of `host`."""
 
     @torch.no_grad()
-    def merge(
-        self, adapters: PackedWeights, dtype: torch.dtype
-    ) -> tuple[dict[str, torch.Tensor], bool]:
+    def merge(self, adapters: PackedWeights, dtype: torch.dtype) -> tuple[MergedWeights, bool]:
         """(state, partial) for the engine's `load_weights`: W = base + scale * B @ A in
-        `dtype` (the engine's) for every adapted weight. The first merge after the base
-        arrived is the full state (the base's other weights with it), later ones partial."""
+        `dtype` (the engine's) for every adapted weight, each made when the engine reads it
+        (`MergedWeights`). The first merge after the base arrived is the full state (the
+        base's other weights with it), later ones partial."""
         tensors = unpack_weights(adapters)
         scale = float(tensors.pop(SCALE))
         names = [k.removesuffix(".lora_A") for k in tensors if k.endswith(".lora_A")]
-        weights = [f"{name}.weight" for name in names]
+        pairs = {
+            f"{n}.weight": (tensors[f"{n}.lora_A"].to(self.device),
+                            tensors[f"{n}.lora_B"].to(self.device))
+            for n in names
+        }  # fmt: skip
         first = self.pending is not None
+        others = {}
         if first:
-            self.adapted = {w: self.pending[w].to(self.device, copy=True) for w in weights}
-        elif set(weights) != set(self.adapted):
+            self.adapted = {w: self.pending[w] for w in pairs}
+            others = {k: v for k, v in self.pending.items() if k not in pairs}
+            self.pending = None
+        elif set(pairs) != set(self.adapted):
             raise RuntimeError("the adapted weights changed since the base was received")
-        state = {}
-        for name, weight in zip(names, weights):
-            a = tensors[f"{name}.lora_A"].to(self.device)
-            b = tensors[f"{name}.lora_B"].to(self.device)
-            # as models/lora.py `merged_weight`, so the result equals a FULL sync's bits
-            state[weight] = (self.adapted[weight].float() + scale * (b.float() @ a.float())).to(
-                dtype
-            )
-        if first:
-            state, self.pending = {**self.pending, **state}, None
-        return state, not first
+        merged = MergedWeights(self.host, self.adapted, pairs, scale, dtype, self.device, others)
+        return merged, not first
 
     def nbytes(self) -> int:
-        """Bytes this copy of the base holds for the run (the adapted weights' base)."""
-        return sum(t.numel() * t.element_size() for t in self.adapted.values())
+        """Bytes of host memory this copy of the base holds for the run."""
+        return self.host.flat_P.numel() * self.host.flat_P.element_size()

@@ -10,16 +10,21 @@ no-op, so a sync abandoned after a replica died can never disturb the one that r
 A sync moves one payload (weight_sync/lora_sync.py): the merged weights (FULL), or with
 [lora] the frozen base once (BASE) and then the adapters (ADAPTERS). The sending side only
 packs what it is given; the receiving side turns each payload into what its engine loads.
+A BASE sync's buffers are one-time: both sides drop them as it ends (the generator once it
+holds the base in host memory, the trainer when the sync closes) and hand the memory back
+to the device (`release_cached_memory`), which the other process on a shared GPU may need.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from torchtitan_rl.device import release_cached_memory
 from torchtitan_rl.weight_sync.lora_sync import NO_BASE, LoRABase, Payload
 from torchtitan_rl.weight_sync.packing import (
     Layout,
@@ -48,10 +53,12 @@ class SendingSide:
         holding another id (or none) gets the base before adapters (lora_sync.py)."""
         self.last_bytes = 0
         """Bytes of the last packed payload (tests, benchmarks)."""
+        self.payload = Payload.FULL
+        """What the current (or last) sync moves."""
 
     def open(
         self, key: str, transport: str, *, state: dict[str, torch.Tensor], dtype: torch.dtype,
-        receivers: int, backend: str,
+        receivers: int, backend: str, payload: Payload = Payload.FULL,
     ) -> Any:  # fmt: skip
         """Opens `transport` for `receivers` generators; returns what they need to join."""
         layout, numel = make_layout(state)
@@ -61,6 +68,7 @@ class SendingSide:
         )  # fmt: skip
         self.close(self.key)
         self.key, self.sender, self.layout, self.closed = key, sender, layout, None
+        self.payload = Payload(payload)
         return sender.offer
 
     def form(self, key: str) -> None:
@@ -79,10 +87,15 @@ class SendingSide:
         return version, sender.send(version)
 
     def close(self, key: str | None) -> None:
-        """Drops the sender of `key` if it is the current one (no collective)."""
+        """Drops the sender of `key` if it is the current one (no collective). A BASE
+        sync's sender is dropped whole (its buffer, as large as the model, serves no later
+        sync) and its memory handed back to the device."""
         if key is not None and key == self.key and self.sender is not None:
             self.sender.close()
-            self.closed, self.key, self.sender = self.sender, None, None
+            base = self.payload is Payload.BASE
+            self.closed, self.key, self.sender = None if base else self.sender, None, None
+            if base:
+                release_cached_memory(self.device)
 
     def _current(self, key: str) -> Sender:
         if key != self.key or self.sender is None:
@@ -104,6 +117,8 @@ class ReceivingSide:
         """The base id the current sync's BASE or ADAPTERS payloads belong to."""
         self.lora: LoRABase | None = None
         """[lora]: the base received last (None before one arrives)."""
+        self.transport: str | None = None
+        """The current sync's transport (a key of strategies.TRANSPORTS)."""
 
     @property
     def held_base(self) -> int:
@@ -122,18 +137,42 @@ class ReceivingSide:
         receiver = TRANSPORTS[transport].receiver(offer, rank, self.device, self.receiver)
         await asyncio.to_thread(receiver.form)
         previous, self.key, self.receiver = self.receiver, key, receiver
-        self.payload, self.base_id = Payload(payload), base_id
+        after_base = self.payload is Payload.BASE
+        self.payload, self.base_id, self.transport = Payload(payload), base_id, transport
         if previous is not None:
             previous.close()
+            del previous
+            if after_base:  # what a group's receiver kept of the base (the delta's copy)
+                release_cached_memory(self.device)
 
     async def receive(self, key: str, payload: Any, index: int) -> PackedWeights:
         if key != self.key or self.receiver is None:
             raise RuntimeError(f"weight sync {key} is closed here (current: {self.key})")
         return await self.receiver.receive(payload, index)
 
+    async def take(
+        self, key: str, payload: Any, index: int, dtype: torch.dtype
+    ) -> tuple[int, tuple[Mapping[str, torch.Tensor], bool] | None]:
+        """`receive`, then `engine_weights`: (version, what the engine loads or None). Once
+        a BASE is in host memory its received buffer is handed back to the device; a
+        transport through the controller has no group to leave, so its receiver goes too
+        (with the CUDA IPC mapping of the trainer's buffer, which the trainer can then
+        free as the sync closes). A group's receiver stays a member until the next sync
+        replaces it (`join`): leaving now could pull out of a broadcast the trainer has
+        not finished."""
+        packed = await self.receive(key, payload, index)
+        version, load = packed.version, self.engine_weights(packed, dtype)
+        if self.payload is Payload.BASE:
+            del packed
+            if TRANSPORTS[self.transport].relay:
+                self.receiver.close()
+                self.receiver = None
+            release_cached_memory(self.device)
+        return version, load
+
     def engine_weights(
         self, packed: PackedWeights, dtype: torch.dtype
-    ) -> tuple[dict[str, torch.Tensor], bool] | None:
+    ) -> tuple[Mapping[str, torch.Tensor], bool] | None:
         """What the engine loads for `packed` (a payload of the current sync): (state,
         partial), or None for a BASE (kept until adapters come). `dtype`: the engine's."""
         if self.payload is Payload.FULL:
