@@ -305,7 +305,7 @@ def _init_by_block(model: PolicyModel, device: torch.device, dtype: torch.dtype)
     copy alive at any time is one block plus the embeddings, norm and head (the 8B shape:
     0.8 GB instead of 28 GB, which the caching allocator would keep as fragments after the
     cast). The random stream is drawn in torchtitan's own order, so the values are those of
-    `to_empty` + `init_weights` in fp32 followed by a cast (tests/test_qwen3_build.py)."""
+    `to_empty` + `init_weights` in fp32 followed by a cast (tests/test_qwen3_model.py)."""
 
     def cast(module: nn.Module) -> None:
         for p in module.parameters():
