@@ -7,7 +7,8 @@ Milliseconds of host time per step in `Engine._launch_sample` (the rows' setting
 random draws, queueing the sampler and the copies of its results to the host) and
 `Engine._record` (reading the tokens, appending them, the finish checks), for one running
 batch of seeded requests that never finishes, fed the same random logits every step (no
-forward runs). Two settings: temperature 1 over the full vocabulary (the RL default; on
+forward runs); `rows changed`: `_launch_sample` when the batch differs from the last
+step's (here: the same rows in another order), which rebuilds the rows' settings. Two settings: temperature 1 over the full vocabulary (the RL default; on
 CUDA the fused sampling kernel) and top-p 0.9 (the masked reference path).
 
 On CUDA the device is synchronized before `_record`, so its wait for the sampler is left
@@ -46,11 +47,11 @@ def engine_with_rows(loop, rows: int, steps: int, sampling: SamplingParams, devi
     steps (their futures on `loop`), and those requests."""
     torch.manual_seed(0)
     model = build_model(ModelConfig(), 97, device)
-    config = EngineConfig(max_num_seqs=rows, max_seq_len=steps + 16, cuda_graphs=False)
+    config = EngineConfig(max_num_seqs=rows, max_seq_len=2 * steps + 16, cuda_graphs=False)
     engine = Engine(model, config, device, threaded=False)
     for i in range(rows):
         params = SamplingParams(
-            temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=steps + 8, seed=i
+            temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=2 * steps + 8, seed=i
         )
         engine._enqueue(str(i), [1 + i % 50, 2, 3], params, loop.create_future(), 0.0)
     engine._admit()
@@ -59,21 +60,25 @@ def engine_with_rows(loop, rows: int, steps: int, sampling: SamplingParams, devi
     return engine, requests
 
 
-def timed_steps(engine: Engine, requests: list, logits_NV: torch.Tensor, steps: int) -> dict:
+def timed_steps(
+    engine: Engine, requests: list, logits_NV: torch.Tensor, steps: int, changing: bool = False
+) -> dict:
+    """Median host ms per step; `changing`: the rows come in another order every step, so
+    every step rebuilds the rows' settings (as when requests join or finish)."""
     cuda = logits_NV.device.type == "cuda"
     launch, record = [], []
-    for _ in range(steps):
+    for step in range(steps):
+        rows = requests[::-1] if changing and step % 2 else list(requests)
         t0 = time.perf_counter()
-        sampled = engine._launch_sample(requests, logits_NV)
+        sampled = engine._launch_sample(rows, logits_NV)
         t1 = time.perf_counter()
         if cuda:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
-        engine._record(requests, sampled, 0)
+        engine._record(rows, sampled, 0)
         t3 = time.perf_counter()
         launch.append(t1 - t0)
         record.append(t3 - t2)
-    assert all(len(r.token_ids) == steps for r in requests)
     skip = min(5, steps // 4)  # warm-up: first build of the rows' settings, allocator
     return dict(
         launch_ms=1e3 * statistics.median(launch[skip:]),
@@ -123,17 +128,21 @@ def main() -> None:
         logits_NV = torch.randn(args.rows, vocab, device=device) * 4
         row = dict(setting=name, rows=args.rows, vocab=vocab, device=str(device))
         row |= timed_steps(engine, requests, logits_NV, args.steps)
+        changed = timed_steps(engine, requests, logits_NV, args.steps, changing=True)
+        row["launch_rows_changed_ms"] = changed["launch_ms"]
+        assert all(len(r.token_ids) == 2 * args.steps for r in requests)
         row["math_ms"] = math_ms(logits_NV, setting, args.steps)
         results.append(row)
         loop.close()
     print(f"host ms per step, {args.rows} rows, vocab {vocab}, {device}")
-    print("| setting | launch_sample | record | launch + record | sampler math |")
-    print("|---|---|---|---|---|")
+    print("| setting | launch_sample | record | launch + record | sampler math "
+          "| launch_sample, rows changed |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     for r in results:
         total = r["launch_ms"] + r["record_ms"]
         print(
             f"| {r['setting']} | {r['launch_ms']:.3f} | {r['record_ms']:.3f} | {total:.3f} "
-            f"| {r['math_ms']:.3f} |"
+            f"| {r['math_ms']:.3f} | {r['launch_rows_changed_ms']:.3f} |"
         )
     out = Path(args.out) / "bench_sampling_host.json"
     out.write_text(json.dumps(results, indent=1))
