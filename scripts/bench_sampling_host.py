@@ -8,14 +8,17 @@ random draws, queueing the sampler and the copies of its results to the host) an
 `Engine._record` (reading the tokens, appending them, the finish checks), for one running
 batch of seeded requests that never finishes, fed the same random logits every step (no
 forward runs); `rows changed`: `_launch_sample` when the batch differs from the last
-step's (here: the same rows in another order), which rebuilds the rows' settings. Two settings: temperature 1 over the full vocabulary (the RL default; on
-CUDA the fused sampling kernel) and top-p 0.9 (the masked reference path).
+step's (here: the same rows in another order), which rebuilds the rows' settings. Two
+settings: temperature 1 over the full vocabulary (the RL default; on CUDA the fused
+sampling kernel) and top-p 0.9 (the masked reference path).
 
 On CUDA the device is synchronized before `_record`, so its wait for the sampler is left
-out: both columns are host time only. On CPU `_launch_sample` also computes the sampler;
-`sampler math` is that computation alone (log-softmax and inverse CDF from given uniforms),
-so `launch - math` is the bookkeeping. The floor of the bookkeeping is 0: the same work
-could be a captured graph. Writes JSON to --out ($OUT, else .).
+out: every column is host time. On CPU `_launch_sample` also computes the sampler;
+`sampler math` is that computation alone (log-softmax and inverse CDF from given
+uniforms), so `launch - math` is the bookkeeping (on CUDA `sampler math` is the host time
+to queue the reference math, not the fused kernel `_launch_sample` takes at temperature
+1). The floor of the bookkeeping is 0: the same work could be a captured graph. Writes
+JSON to --out ($OUT, else .).
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ def math_ms(logits_NV: torch.Tensor, sampling_params: SamplingParams, steps: int
     filtered = list(range(N)) if sampling_params.top_p < 1 else []
     times = []
     for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # an empty queue, as at every step of `timed_steps`
         t0 = time.perf_counter()
         logprobs, _ = sampling._sampling_logprobs(
             logits_NV, temperature_N=temp, top_p_N=top_p, top_k_N=top_k, filtered_rows=filtered
