@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from torchtitan_rl.generation import sampling
+from torchtitan_rl.generation.keyed_random import seed_keys
 from torchtitan_rl.generation.model_runner import _decode_attention
 from torchtitan_rl.generation.paged_attention import paged_decode_attention
 from torchtitan_rl.generation.sampling_kernel import sample_full_vocab
@@ -106,7 +107,9 @@ def sampling_shape(N: int, gbps: float) -> dict:
     logits = torch.randn(N, VOCAB, device="cuda") * 4
     temp = torch.ones(N, device="cuda")
     uniform = torch.rand(N, dtype=torch.float64, device="cuda")
-    gens = [torch.Generator().manual_seed(i) for i in range(N)]
+    keys = dict(
+        key_N=seed_keys(range(N), "cuda"), position_N=torch.zeros(N, dtype=torch.long).cuda()
+    )
     ones, zeros = torch.ones(N, device="cuda"), torch.zeros(N, dtype=torch.long, device="cuda")
 
     def reference():
@@ -129,13 +132,13 @@ def sampling_shape(N: int, gbps: float) -> dict:
         floor_ms=N * VOCAB * 4 / gbps / 1e6,
         same_tokens=same,
         logprob_max_err=err,
-        with_generators_ms=cuda_ms(
+        sample_tokens_ms=cuda_ms(
             lambda: sampling.sample_tokens(
                 logits,
                 temperature_N=temp,
                 top_p_N=ones,
                 top_k_N=zeros,
-                generators=gens,
+                **keys,
                 plan=sampling.RowPlan.of([1.0] * N, [1.0] * N, [0] * N),
             )
         ),
@@ -147,11 +150,9 @@ def smoke_on_cpu(out_dir: Path) -> None:
     N, V = 8, 1000
     logits = torch.randn(N, V) * 4
     ones, zeros = torch.ones(N), torch.zeros(N, dtype=torch.long)
-    gens = [torch.Generator().manual_seed(i) for i in range(N)]
+    keys = dict(key_N=seed_keys(range(N)), position_N=torch.zeros(N, dtype=torch.long))
     start = time.perf_counter()
-    out = sampling.sample_tokens(
-        logits, temperature_N=ones, top_p_N=ones, top_k_N=zeros, generators=gens
-    )
+    out = sampling.sample_tokens(logits, temperature_N=ones, top_p_N=ones, top_k_N=zeros, **keys)
     ms = 1e3 * (time.perf_counter() - start)
     assert out.token_ids_N.shape == (N,)
     print("| rows x vocab | reference sampler ms | fused sampler | paged attention |")
@@ -201,7 +202,7 @@ def main() -> None:
     for r in samples:
         print(
             f"N={r['N']:4d} reference {r['reference_ms']:.3f} | fused {r['fused_ms']:.3f} | "
-            f"sample_tokens {r['with_generators_ms']:.3f} | floor {r['floor_ms']:.3f} | "
+            f"sample_tokens {r['sample_tokens_ms']:.3f} | floor {r['floor_ms']:.3f} | "
             f"same tokens {r['same_tokens']:.3f} | logprob err {r['logprob_max_err']:.1e}"
         )
     out = Path(args.out) / "bench_decode_kernels.json"

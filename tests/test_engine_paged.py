@@ -268,7 +268,7 @@ def queued(name: str, n: int):
     future = asyncio.new_event_loop().create_future()
     return Request(
         request_id=name, prompt_ids=list(range(n)), sampling=GREEDY, future=future,
-        generator=torch.Generator(), arrival_s=0.0,
+        arrival_s=0.0,
     )  # fmt: skip
 
 

@@ -2,8 +2,8 @@
 and a float64 softmax, on CPU under the Triton interpreter, with chunks small enough that
 every row spans several chunks and blocks (ragged last ones).
 
-Same draws as `sampling.sample_tokens` (one float64 uniform per row from the row's own
-generator): the same token, the log-prob within fp32 rounding of the reference's; the
+Same draws as `sampling.sample_tokens` (one float64 uniform per row, U(seed, position) of
+`keyed_random`): the same token, the log-prob within fp32 rounding of the reference's; the
 edges of the draw (u = 0, u just below 1) give the first and last token with a non-zero
 probability, never one at -inf."""
 
@@ -13,13 +13,10 @@ import torch
 from fakes import run_interpreted
 
 
-def draws(seeds: list[int]) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(s) for s in seeds]
-
-
 def check_interpreted() -> None:
     """Runs in a child process with TRITON_INTERPRET=1 set before triton is imported."""
     from torchtitan_rl.generation import sampling_kernel as kernel
+    from torchtitan_rl.generation.keyed_random import keyed_uniform, seed_keys
     from torchtitan_rl.generation.sampling import sample_tokens
 
     kernel.BLOCK, kernel.CHUNK = 32, 64
@@ -31,18 +28,12 @@ def check_interpreted() -> None:
         logits_NV[2] = 0.0  # ties everywhere
         logits_NV[3, -1] = 1e4  # one dominant id, in the last chunk
         temperature_N = torch.tensor([0.5, 1.0, 2.0, 0.7] * (N // 4))
-        seeds = list(range(100 * V, 100 * V + N))
-        uniform_N = torch.tensor(
-            [
-                torch.empty((), dtype=torch.float64).uniform_(generator=g).item()
-                for g in draws(seeds)
-            ],
-            dtype=torch.float64,
-        )
+        key_N, position_N = seed_keys(range(100 * V, 100 * V + N)), torch.arange(N) % 5
+        uniform_N = keyed_uniform(key_N, position_N)
         token_N, logprob_N = kernel.sample_full_vocab(logits_NV, temperature_N, uniform_N)
         ref = sample_tokens(
             logits_NV, temperature_N=temperature_N, top_p_N=torch.ones(N),
-            top_k_N=torch.zeros(N, dtype=torch.long), generators=draws(seeds),
+            top_k_N=torch.zeros(N, dtype=torch.long), key_N=key_N, position_N=position_N,
         )  # fmt: skip
         assert torch.equal(token_N, ref.token_ids_N), (V, token_N, ref.token_ids_N)
         torch.testing.assert_close(logprob_N, ref.logprobs_N, atol=2e-6, rtol=0)

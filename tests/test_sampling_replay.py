@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from torchtitan_rl.generation.keyed_random import seed_keys
 from torchtitan_rl.generation.sampling import sample_tokens
 from torchtitan_rl.models.qwen3 import ModelConfig, build_model, document_attention_mask
 
@@ -36,16 +37,17 @@ def generate(model):
     """(tokens [B, PROMPT + NEW], generator log-probs [B, NEW], per-position supports)."""
     gen = torch.Generator().manual_seed(0)
     tokens_BS = torch.randint(0, VOCAB, (ROWS, PROMPT), generator=gen)
-    generators = [torch.Generator().manual_seed(100 + i) for i in range(ROWS)]
+    key_N = seed_keys(range(100, 100 + ROWS))
     logprobs, supports = [], []
-    for _ in range(NEW):
+    for position in range(NEW):
         logits_BV = model.output(last_hidden(model, tokens_BS)).float()
         out = sample_tokens(
             logits_BV,
             temperature_N=torch.full((ROWS,), TEMPERATURE),
             top_p_N=torch.full((ROWS,), TOP_P),
             top_k_N=torch.zeros(ROWS, dtype=torch.long),
-            generators=generators,
+            key_N=key_N,
+            position_N=torch.full((ROWS,), position),
             return_support=True,
         )
         tokens_BS = torch.cat([tokens_BS, out.token_ids_N[:, None]], dim=1)

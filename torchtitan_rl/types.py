@@ -60,7 +60,9 @@ class SamplingParams:
     """Token-id sequences that end the request once its generated ids end with one (kept in
     the completion, as a stop token is); finish reason STOP."""
     seed: int = 0
-    """Seeds this request's own generator, so results do not depend on batching order."""
+    """Keys this request's random draws (native engine: the uniform U(seed, position) of
+    generation/keyed_random.py; vLLM: its per-request generator), so results do not depend
+    on batching order."""
     return_support: bool = False
     """Record the token ids kept by top-p/top-k at each position (for mask replay)."""
 

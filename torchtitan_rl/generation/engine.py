@@ -4,8 +4,10 @@ Its asyncio front (submit, queue, the pull -> admit -> steps loop, close) is the
 `EngineFront` (generation/front.py); this module supplies the verbs: admitting from the
 scheduler's queue, stepping the running batch (`_steps`), applying weights.
 
-Each request samples with its own generator seeded from `SamplingParams.seed`, so its
-tokens do not depend on what else is in the batch or when it was admitted.
+A request's token at position p (its index in the completion) draws the uniform
+U(`SamplingParams.seed`, p) of `keyed_random`, computed on the device: no generator state,
+so its tokens do not depend on what else is in the batch, when it was admitted, or whether
+it was preempted, recomputed or given a look-ahead row that was dropped.
 
 No Monarch import here: the generator actor is a thin adapter around this class.
 """
@@ -25,6 +27,7 @@ from torchtitan_rl.generation.block_manager import BlockManager
 from torchtitan_rl.generation.cuda_graphs import LONG_PREFILL, DecodeGraphs, MixedGraphs
 from torchtitan_rl.generation.front import EngineFront
 from torchtitan_rl.generation.interface import EngineConfig
+from torchtitan_rl.generation.keyed_random import seed_keys
 from torchtitan_rl.generation.model_runner import ModelRunner
 from torchtitan_rl.generation.sampling import RowPlan, SampleResult, sample_tokens
 from torchtitan_rl.generation.scheduler import Request, Scheduler
@@ -33,14 +36,18 @@ from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 
 @dataclass(kw_only=True, slots=True)
 class RowParams:
-    """Sampling settings of each row of a step, as the sampler takes them; kept while the
-    running batch stays the same (most steps), so they are not rebuilt every step."""
+    """Sampling settings of each row of a step, as the sampler takes them, on the device;
+    kept while the running batch stays the same (most steps), so they are not rebuilt every
+    step: only `position_N` advances, on the device (`advance`)."""
 
     requests: list[Request]
     temperature_N: torch.Tensor
     top_p_N: torch.Tensor
     top_k_N: torch.Tensor
-    generators: list[torch.Generator]
+    key_N: torch.Tensor
+    """int64: each request's seed key (`keyed_random.seed_keys`)."""
+    position_N: torch.Tensor
+    """int64: the index in its completion of the token each row samples now."""
     return_support: bool
     plan: RowPlan
 
@@ -57,15 +64,21 @@ class RowParams:
             temperature_N=to_device_async(torch.tensor([p.temperature for p in params]), device),
             top_p_N=to_device_async(torch.tensor([p.top_p for p in params]), device),
             top_k_N=to_device_async(torch.tensor([p.top_k for p in params]), device),
-            generators=[r.generator for r in requests],
+            key_N=seed_keys([p.seed for p in params], device),
+            position_N=to_device_async(torch.tensor([len(r.token_ids) for r in requests]), device),
             return_support=any(p.return_support for p in params),
         )
+
+    def advance(self) -> None:
+        """The next step of the same requests: every position moves on by one."""
+        self.position_N.add_(1)
 
 
 @dataclass(slots=True)
 class _Sampled:
     """A step's sampling as queued on the device: `token_ids_N` / `logprobs_N` are host
-    copies (pinned, on CUDA) that are valid once `ready` (None: already) has passed."""
+    copies (on CUDA: views of the engine's pinned buffers) that are valid once `ready`
+    (None: already) has passed."""
 
     result: SampleResult
     token_ids_N: torch.Tensor
@@ -129,6 +142,12 @@ class Engine(EngineFront):
         self._sched = Scheduler(blocks, max_num_seqs=config.max_num_seqs)
         self._look_ahead = self._runner.device.type == "cuda" if look_ahead is None else look_ahead
         self._rows: RowParams | None = None
+        self._host_out: tuple[torch.Tensor, torch.Tensor] | None = None
+        """CUDA: pinned host buffers for a step's tokens and log-probs, and the event marking
+        their copy done, allocated once and reused by every step: `_step` queues step k+1's
+        copy only after `_record` has read step k's (`_unread` checks it)."""
+        self._ready: torch.cuda.Event | None = None
+        self._unread = False
         self._ahead: tuple[list[Request], torch.Tensor, int] | None = None
         """The step in flight: its rows, its logits (being computed), its weights version."""
         self.stats = {"steps": 0, "drained_steps": 0, "prefill_rows_joined": 0}
@@ -159,7 +178,6 @@ class Engine(EngineFront):
                 prompt_ids=prompt_ids,
                 sampling=sampling,
                 future=future,
-                generator=torch.Generator().manual_seed(sampling.seed),
                 arrival_s=arrival_s,
                 arrival_step=self.stats["steps"],
             )
@@ -189,6 +207,7 @@ class Engine(EngineFront):
 
     def _drop_all(self) -> list[asyncio.Future]:
         self._ahead = None
+        self._unread = False
         return [request.future for request in self._sched.drop_all()]
 
     def _steps(self, num_steps: int) -> None:
@@ -202,8 +221,9 @@ class Engine(EngineFront):
         prompt from the host). A request that finished at step k (stop token, length,
         cancelled) got one extra row in step k+1: its sampled token is dropped, its
         key/value write landed in a block it owned and no one shares (the last, unfilled
-        one). Tokens and generator draws of every kept row are those of stepping one at a
-        time, log-probs too up to the rounding of a batch that still holds finished rows.
+        one). Tokens and random draws (keyed by position) of every kept row are those of
+        stepping one at a time, log-probs too up to the rounding of a batch that still holds
+        finished rows.
 
         The step in flight outlives this call: new requests and the next call join it
         (nothing drains between calls). It is finished first before weights are pulled,
@@ -283,27 +303,38 @@ class Engine(EngineFront):
     def _launch_sample(self, requests: list[Request], logits_NV: torch.Tensor) -> _Sampled:
         """Queues the sampling of each request's next token and the copy of the results to
         the host; waits for the device only when a row wants its support."""
-        if self._rows is None or self._rows.requests != requests:  # compares by identity
-            self._rows = RowParams.of(requests, logits_NV.device)
         rows = self._rows
+        if rows is None or rows.requests != requests:  # compares by identity
+            rows = self._rows = RowParams.of(requests, logits_NV.device)
+        else:  # each row recorded one token since its last sampling (`_step`)
+            rows.advance()
         out = sample_tokens(
             logits_NV,
             temperature_N=rows.temperature_N,
             top_p_N=rows.top_p_N,
             top_k_N=rows.top_k_N,
-            generators=rows.generators,
+            key_N=rows.key_N,
+            position_N=rows.position_N,
             return_support=rows.return_support,
             plan=rows.plan,
         )
         if logits_NV.device.type != "cuda":
             return _Sampled(out, out.token_ids_N, out.logprobs_N, None, rows.return_support)
-        token_ids_N = torch.empty(len(requests), dtype=torch.long, pin_memory=True)
-        logprobs_N = torch.empty(len(requests), dtype=torch.float32, pin_memory=True)
+        N = len(requests)
+        if self._host_out is None or self._host_out[0].numel() < N:
+            size = max(N, self.config.max_num_seqs)
+            self._host_out = (
+                torch.empty(size, dtype=torch.long, pin_memory=True),
+                torch.empty(size, dtype=torch.float32, pin_memory=True),
+            )
+            self._ready = torch.cuda.Event()
+        assert not self._unread, "a step's host buffers are reused before they were read"
+        self._unread = True
+        token_ids_N, logprobs_N = (buffer[:N] for buffer in self._host_out)
         token_ids_N.copy_(out.token_ids_N, non_blocking=True)
         logprobs_N.copy_(out.logprobs_N, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return _Sampled(out, token_ids_N, logprobs_N, ready, rows.return_support)
+        self._ready.record()
+        return _Sampled(out, token_ids_N, logprobs_N, self._ready, rows.return_support)
 
     def _record(self, requests: list[Request], sampled: _Sampled, version: int) -> None:
         """Waits for a step's tokens (computed under weights `version`), appends them,
@@ -314,6 +345,7 @@ class Engine(EngineFront):
         out = sampled.result
         now = time.perf_counter()
         token_ids, logprobs = sampled.token_ids_N.tolist(), sampled.logprobs_N.tolist()
+        self._unread = False  # read: the next step may reuse the host buffers
         live = [(i, r) for i, r in enumerate(requests) if not r.is_over()]
         for i, request in live:
             if not request.token_ids:

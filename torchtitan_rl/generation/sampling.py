@@ -1,10 +1,12 @@
-"""Token sampling: temperature, top-k, top-p, per-row generators, exact log-probs.
+"""Token sampling: temperature, top-k, top-p, keyed random draws, exact log-probs.
 
 Pure functions of fp32 logits. Each row is processed on its own: its support, its
 distribution and its random draw never depend on the other rows of the batch, and the only
-randomness is one uniform draw per sampled token from the row's own CPU `torch.Generator`
-(so the same seed gives the same token on CPU and GPU, in any batch, up to fp32 rounding
-of the log-probs: a draw within ~1e-6 of a boundary between two tokens may fall either way).
+randomness is one float64 uniform per sampled token, U(seed, position) of
+`keyed_random` (the row's seed key and the token's index in its completion), computed on
+the logits' device with the same bits on CPU and GPU. So the same seed gives the same token
+on CPU and GPU, in any batch, up to fp32 rounding of the log-probs: a draw within ~1e-6 of
+a boundary between two tokens may fall either way.
 
 Conventions (also what the trainer replays):
 - temperature 0 (greedy): the argmax, log-prob under `log_softmax(logits)` (temperature 1,
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan_rl.device import to_device_async
+from torchtitan_rl.generation.keyed_random import keyed_uniform
 from torchtitan_rl.generation.sampling_kernel import sample_full_vocab
 
 
@@ -160,43 +163,39 @@ def sample_tokens(
     temperature_N: torch.Tensor,
     top_p_N: torch.Tensor,
     top_k_N: torch.Tensor,
-    generators: Sequence[torch.Generator],
+    key_N: torch.Tensor,
+    position_N: torch.Tensor,
     return_support: bool = False,
     plan: RowPlan | None = None,
 ) -> SampleResult:
     """Samples one token per row (see the module docstring for the conventions).
 
-    `generators[i]` is row i's CPU generator; it is advanced by one draw for every sampled
-    (non-greedy) row and left alone for greedy rows. With `plan` (the rows' settings as the
-    host knows them) and no `return_support`, nothing here waits for the device: the
-    results are tensors still being computed, so the caller can queue more work first.
+    Row i draws U(seed, p) from `key_N[i]` (its seed's key, `keyed_random.seed_keys`) and
+    `position_N[i]` (int64: the index of this token in its completion), both on the logits'
+    device; greedy rows ignore theirs. With `plan` (the rows' settings as the host knows
+    them) and no `return_support`, nothing here waits for the device: the results are
+    tensors still being computed, so the caller can queue more work first.
     On CUDA, with `plan`, rows that all sample from the full vocabulary take the fused
     kernel of `sampling_kernel` (the same draws, and the same tokens but within fp32
     rounding of a boundary; no `[N, V]` intermediates).
     """
     N, V = logits_NV.shape
-    if not len(generators) == temperature_N.numel() == top_p_N.numel() == top_k_N.numel() == N:
+    sizes = [t.numel() for t in (temperature_N, top_p_N, top_k_N, key_N, position_N)]
+    if sizes != [N] * 5:
         raise ValueError(
-            f"need one temperature, top_p, top_k and generator per row ({N} rows), got "
-            f"{temperature_N.numel()}, {top_p_N.numel()}, {top_k_N.numel()}, {len(generators)}"
+            f"need one temperature, top_p, top_k, seed key and position per row ({N} rows), "
+            f"got {sizes}"
         )
     device = logits_NV.device
     if plan is not None:
         sampled = plan.sampled_rows
     else:
         sampled = [i for i, greedy in enumerate((temperature_N <= 0).tolist()) if not greedy]
-    if sampled:
-        # One 0-d scratch tensor refilled per row: the same draw as `torch.rand((),
-        # generator=g, dtype=torch.float64)`, at a fraction of the per-call overhead.
-        draw = torch.empty((), dtype=torch.float64)
-        uniform_R = _to_device(
-            [draw.uniform_(generator=generators[i]).item() for i in sampled],
-            torch.float64,
-            device,
-        )
+    # Every row's draw when any samples (a greedy row's is unused): cheaper than selecting.
+    uniform_N = keyed_uniform(key_N, position_N) if sampled else None
     fused = device.type == "cuda" and logits_NV.dtype == torch.float32 and not return_support
     if fused and plan is not None and len(sampled) == N and not plan.filtered_rows:
-        token_ids_N, logprobs_N = sample_full_vocab(logits_NV, temperature_N, uniform_R)
+        token_ids_N, logprobs_N = sample_full_vocab(logits_NV, temperature_N, uniform_N)
         return SampleResult(token_ids_N=token_ids_N, logprobs_N=logprobs_N, support=None)
     logprobs_NV, keep_NV = _sampling_logprobs(
         logits_NV,
@@ -206,12 +205,12 @@ def sample_tokens(
         filtered_rows=plan.filtered_rows if plan is not None else None,
     )
     if len(sampled) == N:  # no greedy row: skip the argmax and the row selection
-        token_ids_N = _inverse_cdf(logprobs_NV, uniform_R)
+        token_ids_N = _inverse_cdf(logprobs_NV, uniform_N)
     else:
         token_ids_N = logits_NV.argmax(dim=-1)
         if sampled:
             rows = _to_device(sampled, torch.long, device)
-            token_ids_N[rows] = _inverse_cdf(logprobs_NV[rows], uniform_R)
+            token_ids_N[rows] = _inverse_cdf(logprobs_NV[rows], uniform_N[rows])
     logprobs_N = logprobs_NV.gather(1, token_ids_N[:, None]).squeeze(1)
     support = None
     if return_support:

@@ -30,7 +30,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from torchtitan_rl.generation.block_manager import BlockManager
 from torchtitan_rl.generation.model_runner import SeqInput
@@ -45,7 +44,6 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     future: asyncio.Future
-    generator: torch.Generator
     arrival_s: float
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
