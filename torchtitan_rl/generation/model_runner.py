@@ -47,10 +47,15 @@ from torchtitan_rl.generation import invariant_kernels
 from torchtitan_rl.generation.batch_invariant import WidthGroup, padded_rows, width_groups
 from torchtitan_rl.generation.interface import DECODE_ATTENTION
 from torchtitan_rl.generation.kv_cache import PagedKVCache
+from torchtitan_rl.generation.layers import (
+    PACKED_QKV,
+    PACKED_W13,
+    head,
+    layer_qkv,
+    layer_rest,
+    pack,
+)
 from torchtitan_rl.generation.paged_attention import paged_decode_attention
-
-PACKED_QKV, PACKED_W13 = "packed_qkv_weight", "packed_w13_weight"
-"""Buffers that `ModelRunner.pack_projections` adds to attention and feed-forward modules."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -132,8 +137,8 @@ class ModelRunner:
         self.mixed_graphs = None  # set by cuda_graphs.MixedGraphs
         self.eager = {"eager_prefills": 0, "eager_prefill_tokens": 0}
         """Counters since start: padded (eager, no graph) prefill calls and the tokens they fed."""
-        self._layer_qkv, self._layer_rest = _layer_qkv, _layer_rest  # see compile_decode
-        self._head = _head
+        self._layer_qkv, self._layer_rest = layer_qkv, layer_rest  # see compile_decode
+        self._head = head
         if self.invariant_kernels:
             self._use_invariant_kernels()
 
@@ -147,9 +152,9 @@ class ModelRunner:
             raise ValueError("generator.batch_invariant on CUDA supports dense models, not MoE")
         self.pack_projections()
         ops = {"linear": invariant_kernels.linear, "norm": invariant_kernels.rms_norm}
-        self._layer_qkv = functools.partial(_layer_qkv, **ops)
-        self._layer_rest = functools.partial(_layer_rest, **ops)
-        self._head = functools.partial(_head, **ops)
+        self._layer_qkv = functools.partial(layer_qkv, **ops)
+        self._layer_rest = functools.partial(layer_rest, **ops)
+        self._head = functools.partial(head, **ops)
 
     @torch.inference_mode()
     def forward(self, batch: list[SeqInput]) -> torch.Tensor:
@@ -435,9 +440,9 @@ class ModelRunner:
         so each takes one matmul instead of three or two. Same math; the matmul shapes
         differ, so results may differ by rounding."""
         for layer in self.model.layers.values():
-            _pack(layer.attention, ("wq", "wk", "wv"), PACKED_QKV)
+            pack(layer.attention, ("wq", "wk", "wv"), PACKED_QKV)
             if not layer.moe_enabled:
-                _pack(layer.feed_forward, ("w1", "w3"), PACKED_W13)
+                pack(layer.feed_forward, ("w1", "w3"), PACKED_W13)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
 
     def compile_decode(self) -> None:
@@ -450,8 +455,8 @@ class ModelRunner:
         self.pack_projections()
         if self.invariant_kernels:  # compiled kernels may pick their reductions by shape
             return
-        self._layer_qkv = torch.compile(_layer_qkv, dynamic=True)
-        self._layer_rest = torch.compile(_layer_rest, dynamic=True)
+        self._layer_qkv = torch.compile(layer_qkv, dynamic=True)
+        self._layer_rest = torch.compile(layer_rest, dynamic=True)
 
     def _forward_padded(self, batch: list[SeqInput]) -> torch.Tensor:
         device, cache = self.device, self.kv_cache
@@ -520,88 +525,6 @@ def _check_shape(name: str, tensor: torch.Tensor, param: torch.Tensor) -> None:
         raise ValueError(
             f"state[{name!r}] has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
         )
-
-
-def _module(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A norm applied as the model defines it (the `norm` of the layer functions below)."""
-    return module(x)
-
-
-# The layer functions take their matmul (`linear(x_MK, w_NK)`) and norm (`norm(module, x)`):
-# torch's by default (and compiled); generation/invariant_kernels.py's in batch-invariant
-# mode on CUDA. With torch's they compute what the model's modules do, bit for bit.
-
-
-def _layer_qkv(
-    layer: torch.nn.Module, h_BE: torch.Tensor, cos_B1D, signed_sin_B1D, *,
-    linear=F.linear, norm=_module,
-):  # fmt: skip
-    """A decode layer up to its attention: rotated queries, keys, and values."""
-    x_BE = norm(layer.attention_norm, h_BE)
-    return _qkv(layer.attention, x_BE, cos_B1D, signed_sin_B1D, linear=linear, norm=norm)
-
-
-def _layer_rest(
-    layer: torch.nn.Module, h_BE: torch.Tensor, out_BHqD: torch.Tensor, *,
-    linear=F.linear, norm=_module,
-):  # fmt: skip
-    """A decode layer after its attention: output projection, feed-forward, residuals."""
-    h_BE = h_BE + linear(out_BHqD.flatten(1), layer.attention.wo.weight)
-    return h_BE + _ffn(layer, h_BE, linear=linear, norm=norm)
-
-
-def _head(model: torch.nn.Module, h_RE: torch.Tensor, *, linear=F.linear, norm=_module):
-    """fp32 logits `[R, V]` of the final hidden states."""
-    return linear(norm(model.norm, h_RE), model.output.weight).float()
-
-
-def _qkv(attn: torch.nn.Module, x_ME: torch.Tensor, cos_M1D, signed_sin_M1D, *, linear, norm):
-    """Rotated queries and keys, and values, of each row: `[M, H, D]` each."""
-    M, D = x_ME.shape[0], attn.head_dim
-    packed = getattr(attn, PACKED_QKV, None)
-    if packed is None:
-        q_ME, k_ME, v_ME = (linear(x_ME, w.weight) for w in (attn.wq, attn.wk, attn.wv))
-    else:  # one matmul (ModelRunner.pack_projections)
-        sizes = [attn.wq.weight.shape[0], attn.wk.weight.shape[0], attn.wv.weight.shape[0]]
-        q_ME, k_ME, v_ME = linear(x_ME, packed).split(sizes, dim=-1)
-    q_MHD, k_MHD, v_MHD = q_ME.view(M, -1, D), k_ME.view(M, -1, D), v_ME.view(M, -1, D)
-    if attn.q_norm is not None:
-        q_MHD = norm(attn.q_norm, q_MHD)
-    if attn.k_norm is not None:
-        k_MHD = norm(attn.k_norm, k_MHD)
-    # apply_rotary_emb's `x * cos + rotate_half(x) * sin`, bit for bit: rotate_half(x)
-    # = cat(-x2, x1), and (-a) * b == a * (-b) exactly, so one roll replaces the
-    # slices, negation and concatenation in every layer.
-    q_MHD = q_MHD * cos_M1D + q_MHD.roll(D // 2, dims=-1) * signed_sin_M1D
-    k_MHD = k_MHD * cos_M1D + k_MHD.roll(D // 2, dims=-1) * signed_sin_M1D
-    return q_MHD, k_MHD, v_MHD
-
-
-def _ffn(layer: torch.nn.Module, h: torch.Tensor, *, linear, norm) -> torch.Tensor:
-    ffn = layer.moe if layer.moe_enabled else layer.feed_forward
-    packed = getattr(ffn, PACKED_W13, None)
-    if packed is None:  # MoE, or unpacked: the module's own forward (torch's ops)
-        assert linear is F.linear, "invariant kernels need packed projections"
-        return ffn(norm(layer.ffn_norm, h))
-    gate, up = linear(norm(layer.ffn_norm, h), packed).chunk(2, dim=-1)  # w1, w3 in one matmul
-    return linear(F.silu(gate) * up, ffn.w2.weight)
-
-
-def _pack(module: torch.nn.Module, names: tuple[str, ...], buffer: str) -> None:
-    """Concatenates the weights of `module`'s linears `names` into one buffer and makes each
-    weight a view of its rows, so copies into the weights (weight pulls) fill the buffer."""
-    if hasattr(module, buffer):  # packed already
-        return
-    linears = [getattr(module, name) for name in names]
-    if any(linear.bias is not None for linear in linears):
-        raise ValueError(f"cannot pack {names}: they have biases")
-    packed = torch.cat([linear.weight.detach() for linear in linears])
-    module.register_buffer(buffer, packed, persistent=False)
-    start = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight = torch.nn.Parameter(packed[start : start + rows], requires_grad=False)
-        start += rows
 
 
 def _decode_attention(
