@@ -57,7 +57,7 @@ def qwen3_06b():
     return model
 
 
-MODELS = {"tiny fp32": (tiny_qwen3, "float32"), "0.6B shape bf16": (qwen3_06b, "bfloat16")}
+MODELS = {"tiny-fp32": (tiny_qwen3, "float32"), "qwen3-0.6b-bf16": (qwen3_06b, "bfloat16")}
 
 
 def cuda_engine(model: str, *, batch_invariant=True, max_num_seqs=8, threaded=False, **changes):
@@ -121,7 +121,7 @@ def test_every_request_gets_the_same_bits_in_any_company_on_cuda(model, record_p
         record_property(f"off: {name}", f"{differ} requests differ, max |dlogprob| {largest:.3g}")
         print(f"{model}, mode off, {name}: {differ} of {len(order)} requests differ, "
               f"largest log-prob difference {largest:.3g}")  # fmt: skip
-    if model != "tiny fp32":  # bf16 numerics: test_invariant_kernels_give_each_row_its_bits...
+    if model != "tiny-fp32":  # bf16 numerics: test_invariant_kernels_give_each_row_its_bits...
         return
     # on and off compute the same model: close, not equal (up to the first other token)
     for i in order:
@@ -225,11 +225,11 @@ def test_invariant_kernels_give_each_row_its_bits_at_the_06b_shapes():
 
 
 def test_batch_invariant_key_switches_the_kernels_and_needs_the_paged_attention():
-    engine = cuda_engine("tiny fp32", max_num_seqs=2)
+    engine = cuda_engine("tiny-fp32", max_num_seqs=2)
     assert engine.runner.invariant_kernels and engine.runner.batch_invariant
     assert engine.runner.decode_graphs is not None and engine.runner.mixed_graphs is not None
     assert isinstance(engine.runner._layer_qkv, functools.partial)  # not torch.compile'd
-    off = cuda_engine("tiny fp32", max_num_seqs=2, batch_invariant=False)
+    off = cuda_engine("tiny-fp32", max_num_seqs=2, batch_invariant=False)
     assert not off.runner.invariant_kernels and not off.runner.batch_invariant
     with pytest.raises(ValueError, match='batch_invariant on CUDA needs generator.decode_attention "auto" or "triton"'):  # fmt: skip
-        cuda_engine("tiny fp32", decode_attention="gather")
+        cuda_engine("tiny-fp32", decode_attention="gather")
