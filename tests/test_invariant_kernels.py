@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 from fakes import run_interpreted
 
 
 def _emulate_gpu_bf16() -> None:
-    import numpy as np
     import triton.language as tl
     from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
 
@@ -155,3 +155,40 @@ def check_runner() -> None:
 
 def test_interpreted_invariant_runner_gives_each_row_its_own_bits():
     run_interpreted("test_invariant_kernels", "check_runner")
+
+
+def check_engine() -> None:
+    """The engine on the mode's packed step (eager, look-ahead on): every request gets the
+    same bits alone and beside others in another order."""
+    import asyncio
+
+    from fakes import tiny_qwen3
+    from test_batch_invariance import PROMPTS, SAMPLINGS
+
+    from torchtitan_rl.generation.engine import Engine
+    from torchtitan_rl.generation.interface import EngineConfig
+
+    def engine(max_num_seqs: int) -> Engine:
+        config = EngineConfig(max_num_seqs=max_num_seqs, max_seq_len=96, block_size=4)
+        e = Engine(tiny_qwen3(), config, threaded=False, look_ahead=True, steps_per_yield=1)
+        e.runner.decode_attention, e.runner.invariant_kernels = "triton", True
+        e.runner._use_invariant_kernels()
+        return e
+
+    async def together(e, order):
+        outs = await asyncio.gather(
+            *(e.generate(PROMPTS[i], request_id=str(i), sampling=SAMPLINGS[i]) for i in order)
+        )
+        await e.close()
+        return dict(zip(order, outs))
+
+    order = list(range(len(PROMPTS)))
+    ref = asyncio.run(together(engine(1), order))  # one at a time
+    got = asyncio.run(together(engine(3), [5, 0, 7, 2, 6, 1, 4, 3]))  # three slots, shuffled
+    for i in order:
+        assert np.array_equal(got[i].token_ids_N, ref[i].token_ids_N), i
+        assert np.array_equal(got[i].logprobs_N, ref[i].logprobs_N), i
+
+
+def test_interpreted_invariant_engine_gives_each_request_its_bits():
+    run_interpreted("test_invariant_kernels", "check_engine")
