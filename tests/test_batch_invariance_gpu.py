@@ -169,7 +169,9 @@ def test_a_rows_logits_are_the_same_bits_beside_any_rows_on_cuda(dtype, graphs):
         mixed = runner.forward([*beside[: others // 2], row, prefill])
         assert torch.equal(mixed[others // 2], alone[0]), ("mixed", others)
     long = SeqInput(token_ids=tokens[:300], start=0, block_table=list(range(80, 160)))
+    eager = runner.eager["eager_prefills"]
     assert torch.equal(runner.forward([row, long])[0], alone[0]), "beside a long prefill"
+    assert runner.eager["eager_prefills"] == eager + 1  # counted as an eager prefill
     at_once = runner.forward([SeqInput(token_ids=tokens[:30], start=0, block_table=list(range(50, 58)))]).clone()  # fmt: skip
     for t in range(30):
         one = runner.forward([SeqInput(token_ids=[tokens[t]], start=t, block_table=list(range(60, 68)))])  # fmt: skip

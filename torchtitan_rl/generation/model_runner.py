@@ -136,7 +136,8 @@ class ModelRunner:
         self.decode_graphs = None  # set by cuda_graphs.DecodeGraphs
         self.mixed_graphs = None  # set by cuda_graphs.MixedGraphs
         self.eager = {"eager_prefills": 0, "eager_prefill_tokens": 0}
-        """Counters since start: padded (eager, no graph) prefill calls and the tokens they fed."""
+        """Counters since start: eager (no graph) prefill calls and the tokens they fed: the
+        padded path's, and on CUDA in batch-invariant mode the eager packed steps'."""
         self._layer_qkv, self._layer_rest = layer_qkv, layer_rest  # see compile_decode
         self._head = head
         if self.invariant_kernels:
@@ -191,6 +192,9 @@ class ModelRunner:
             graphed = self._graphed_invariant_step(batch, tokens_D)
             if graphed is not None:
                 return graphed
+            prefill = [len(s.token_ids) for s in batch if len(s.token_ids) > 1]
+            self.eager["eager_prefills"] += bool(prefill)
+            self.eager["eager_prefill_tokens"] += sum(prefill)
         num_tokens, num_rows = sum(len(s.token_ids) for s in batch), len(batch)
         if not self.invariant_kernels:  # CPU matmuls are row-invariant at these row counts
             num_tokens, num_rows = padded_rows(num_tokens), padded_rows(num_rows)
