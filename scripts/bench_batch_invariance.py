@@ -1,7 +1,9 @@
-"""Benchmark: the CPU engine's batch-invariant steps against the batch-dependent path.
+"""Benchmark: the engine's batch-invariant steps against the batch-dependent path.
 
-    python scripts/bench_batch_invariance.py            # 64 requests x 48 tokens, tiny model
-    python scripts/bench_batch_invariance.py --smoke    # 8 requests x 8 tokens, one round
+    python scripts/bench_batch_invariance.py            # CPU: 64 requests x 48 tokens, tiny model
+    python scripts/bench_batch_invariance.py --smoke    # CPU: 8 requests x 8 tokens, one round
+    python scripts/bench_batch_invariance.py --cuda     # GPU: Qwen3-0.6B shape, bf16 (~3 min)
+    python scripts/bench_batch_invariance.py --cuda --smoke   # GPU: tiny model, seconds
 
 Seconds to generate one batch of seeded requests (prompts of 40-46 tokens, temperature 1,
 inline driver, one torch thread) with the native engine on CPU, rows alternated over
@@ -11,6 +13,10 @@ batch-wide decode attention (`ModelRunner.batch_invariant = False`, the path bef
 one packed step, attention per exact context width); `invariant, widths / k` rounds widths
 up to k blocks (fewer, wider groups). No physical floor is given: the rows do the same
 model work and differ in how it is batched. Writes JSON to --out ($OUT, else .).
+
+`--cuda` (scripts/batch_invariance_cuda.py) compares `generator.batch_invariant` off and on
+with the native engine on one GPU: a decode pattern (all requests at once) and a mixed one
+(a request arrives every `--every` engine steps while the others decode).
 """
 
 from __future__ import annotations
@@ -74,12 +80,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--tokens", type=int, default=0, help="output tokens (0: 48, --cuda 128)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--cuda", action="store_true", help="the GPU mode (batch_invariance_cuda.py)")
+    p.add_argument("--prompt-len", type=int, default=128, help="--cuda: prompt tokens")
+    p.add_argument("--every", type=int, default=2, help="--cuda: steps between arrivals (mixed)")
     args = p.parse_args()
+    args.tokens = args.tokens or (128 if args.cuda else 48)
     if args.smoke:
-        args.requests, args.tokens, args.rounds = 8, 8, 1
+        args.requests, args.tokens, args.rounds, args.prompt_len = 8, 8, 1, 16
+    if args.cuda:
+        try:  # python -m scripts.bench_batch_invariance, or scripts/ on the path
+            from scripts.batch_invariance_cuda import run_cuda
+        except ModuleNotFoundError:
+            from batch_invariance_cuda import run_cuda
+
+        run_cuda(args)
+        return
     torch.set_num_threads(1)
     times: dict[str, list[float]] = {row: [] for row in ROWS}
     for _ in range(args.rounds):

@@ -147,6 +147,16 @@ def test_decode_attention_follows_own_decode_attention(monkeypatch):
     EngineConfig().validate()  # "auto" stays valid
 
 
+def test_batch_invariant_follows_batch_invariant_mode(monkeypatch):
+    EngineConfig(batch_invariant=True).validate()
+    with pytest.raises(ValueError, match="generator.batch_invariant is native only: vLLM"):
+        EngineConfig(backend="vllm", batch_invariant=True).validate()
+    _set(monkeypatch, "native", batch_invariant_mode=False)
+    with pytest.raises(ValueError, match="generator.batch_invariant is native only"):
+        EngineConfig(batch_invariant=True).validate()
+    EngineConfig().validate()  # off stays valid
+
+
 def _recording_factory(model, engine, vocab_size, device, hf_folder):
     return ("built", engine.backend, vocab_size, device, hf_folder)
 

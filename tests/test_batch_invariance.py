@@ -72,6 +72,8 @@ def test_every_request_gets_the_same_bits_in_any_company():
         "three slots, shuffled": run(together(engine(max_num_seqs=3), [5, 0, 7, 2, 6, 1, 4, 3])),
         "behind a cached prefix": run(behind_a_cached_prefix(engine(), order)),
         "tight cache (preemption)": run(together(engine(num_blocks=40), order)),
+        # generator.batch_invariant switches CUDA kernels; CPU steps always are invariant
+        "batch_invariant key on": run(together(engine(batch_invariant=True), order)),
     }
     assert any(c.metrics["generator/prefix_hit_tokens"] > 0
                for c in variants["behind a cached prefix"].values())  # fmt: skip

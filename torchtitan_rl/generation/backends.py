@@ -42,6 +42,8 @@ class BackendTraits:
     """rollout.stop (stop strings, matched as token sequences) is honoured."""
     own_decode_attention: bool
     """generator.decode_attention applies; False: the backend picks its own attention."""
+    batch_invariant_mode: bool
+    """generator.batch_invariant applies (the native engine's own kernels); False: refused."""
     cpu_block_multiple: int
     """On CPU, generator.block_size must be a multiple of this (1: any size)."""
     adapter_sync: bool
@@ -76,6 +78,7 @@ BACKENDS: dict[Backend, BackendTraits] = {
         any_gpu_of_host=True,
         stop_texts=True,
         own_decode_attention=True,
+        batch_invariant_mode=True,
         cpu_block_multiple=1,
         adapter_sync=True,
         package=None,
@@ -90,6 +93,8 @@ BACKENDS: dict[Backend, BackendTraits] = {
         # it generates token ids without text, and stop strings need text
         stop_texts=False,
         own_decode_attention=False,
+        # vLLM's batch invariance is its own process-wide setting, not wired here
+        batch_invariant_mode=False,
         # vLLM's CPU attention needs KV blocks of a multiple of 32 tokens (its default there)
         cpu_block_multiple=32,
         # its LoRA path (one adapter name per version, run-time adapters) is not wired here

@@ -128,6 +128,7 @@ class Engine(EngineFront):
             device=device,
             dtype=DTYPES[config.dtype],
             decode_attention=config.decode_attention,
+            batch_invariant=config.batch_invariant,
         )
         self.vocab_size = self._runner.vocab_size
         if config.cuda_graphs and self._runner.device.type == "cuda":
@@ -317,6 +318,7 @@ class Engine(EngineFront):
             position_N=rows.position_N,
             return_support=rows.return_support,
             plan=rows.plan,
+            invariant=self._runner.batch_invariant,
         )
         if logits_NV.device.type != "cuda":
             return _Sampled(out, out.token_ids_N, out.logprobs_N, None, rows.return_support)

@@ -87,6 +87,13 @@ class EngineConfig:
     """On a CUDA device, compile the decode layers with torch.compile and capture the decode
     step as CUDA graphs (one per batch and context bucket, at engine start; vllm: its
     torch.compile and CUDA graphs, else eager); no effect on CPU."""
+    batch_invariant: bool = False
+    """Native only. On CUDA, a request's tokens and log-probs are the same bits whatever
+    shares its steps (alone, together, staggered, reordered, behind a cached prefix): every
+    step one packed step, the layers' matmuls and norms Triton kernels of one fixed
+    configuration (no torch.compile), the sampler per row (docs/design.md, "Batch-invariant
+    steps"); slower (docs/benchmarks.md). Needs decode_attention "auto" or "triton" and a
+    dense model. No effect on CPU, where steps always are batch-invariant."""
 
     def validate(self) -> None:
         for name in ("num_replicas", "max_num_seqs"):
@@ -120,6 +127,11 @@ class EngineConfig:
             raise ValueError(
                 f"decode_attention={self.decode_attention!r} is native only: {own.label} "
                 'picks its own attention; remove it or use backend = "native"'
+            )
+        if self.batch_invariant and not own.batch_invariant_mode:
+            raise ValueError(
+                f"generator.batch_invariant is native only: {own.label} has its own kernels; "
+                'remove it or use backend = "native"'
             )
         if self.weight_sync_mode not in WEIGHT_SYNC_MODES:
             raise ValueError(

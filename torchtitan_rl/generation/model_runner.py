@@ -18,6 +18,12 @@ Two paths over the same cache:
   steps, per token-count bucket for mixed steps (`cuda_graphs.py`). Mixed steps larger
   than the largest bucket, and every mixed step without CUDA graphs, take the padded path.
 
+Batch-invariant mode (every CPU step; on CUDA with `batch_invariant`): every step is one
+packed step, so a row's logits never depend on which rows share it (CPU:
+generation/batch_invariant.py; CUDA: the layers' matmuls and norms are the Triton kernels
+of generation/invariant_kernels.py, nothing is compiled, attention is the paged kernel
+whose programs each serve one token, and steps are still replayed from CUDA graphs).
+
 Shape legend: B = sequences in this forward, T = new tokens per sequence (padded),
 M = new tokens of all sequences (packed), R = rows whose logits a packed step returns, N = blocks per block table, S = gathered cache
 positions (N * block_size), E = model dim, Hq / Hkv = query / key-value heads
@@ -26,6 +32,7 @@ positions (N * block_size), E = model dim, Hq / Hkv = query / key-value heads
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,13 +43,19 @@ from torchtitan.models.qwen3 import Qwen3Model
 from torchtitan.models.qwen3.model.model import precompute_rope_cache
 
 from torchtitan_rl.device import to_device_async
+from torchtitan_rl.generation import invariant_kernels
 from torchtitan_rl.generation.batch_invariant import WidthGroup, padded_rows, width_groups
 from torchtitan_rl.generation.interface import DECODE_ATTENTION
 from torchtitan_rl.generation.kv_cache import PagedKVCache
+from torchtitan_rl.generation.layers import (
+    PACKED_QKV,
+    PACKED_W13,
+    head,
+    layer_qkv,
+    layer_rest,
+    pack,
+)
 from torchtitan_rl.generation.paged_attention import paged_decode_attention
-
-PACKED_QKV, PACKED_W13 = "packed_qkv_weight", "packed_w13_weight"
-"""Buffers that `ModelRunner.pack_projections` adds to attention and feed-forward modules."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -75,7 +88,10 @@ class ModelRunner:
         device: torch.device | str,
         dtype: torch.dtype,
         decode_attention: str = "auto",
+        batch_invariant: bool = False,
     ) -> None:
+        """`batch_invariant`: on CUDA, run every step batch-invariantly (module docstring;
+        needs the triton attention and a dense model); CPU steps always are."""
         args = model.model_args
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
@@ -95,8 +111,10 @@ class ModelRunner:
         if decode_attention == "auto":
             decode_attention = "triton" if self.device.type == "cuda" else "gather"
         self.decode_attention = decode_attention
-        self.batch_invariant = self.device.type == "cpu"
-        """Every step one batch-invariant packed step (generation/batch_invariant.py)."""
+        self.batch_invariant = self.device.type == "cpu" or batch_invariant
+        """Every step one batch-invariant packed step (module docstring)."""
+        self.invariant_kernels = self.device.type == "cuda" and batch_invariant
+        """The layers run generation/invariant_kernels.py, uncompiled (set once, here)."""
         self.query_group = args.n_heads // (args.n_kv_heads or args.n_heads)
         """G: query heads per key/value head (the same on every TP rank)."""
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -118,8 +136,26 @@ class ModelRunner:
         self.decode_graphs = None  # set by cuda_graphs.DecodeGraphs
         self.mixed_graphs = None  # set by cuda_graphs.MixedGraphs
         self.eager = {"eager_prefills": 0, "eager_prefill_tokens": 0}
-        """Counters since start: padded (eager, no graph) prefill calls and the tokens they fed."""
-        self._layer_qkv, self._layer_rest = _layer_qkv, _layer_rest  # see compile_decode
+        """Counters since start: eager (no graph) prefill calls and the tokens they fed: the
+        padded path's, and on CUDA in batch-invariant mode the eager packed steps'."""
+        self._layer_qkv, self._layer_rest = layer_qkv, layer_rest  # see compile_decode
+        self._head = head
+        if self.invariant_kernels:
+            self._use_invariant_kernels()
+
+    def _use_invariant_kernels(self) -> None:
+        if self.decode_attention != "triton":
+            raise ValueError(
+                "generator.batch_invariant on CUDA needs generator.decode_attention "
+                f'"auto" or "triton", got {self.decode_attention!r}'
+            )
+        if any(layer.moe_enabled for layer in self.model.layers.values()):
+            raise ValueError("generator.batch_invariant on CUDA supports dense models, not MoE")
+        self.pack_projections()
+        ops = {"linear": invariant_kernels.linear, "norm": invariant_kernels.rms_norm}
+        self._layer_qkv = functools.partial(layer_qkv, **ops)
+        self._layer_rest = functools.partial(layer_rest, **ops)
+        self._head = functools.partial(head, **ops)
 
     @torch.inference_mode()
     def forward(self, batch: list[SeqInput]) -> torch.Tensor:
@@ -150,23 +186,50 @@ class ModelRunner:
     def _invariant_step(
         self, batch: list[SeqInput], tokens_D: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """`batch` as one batch-invariant packed step (generation/batch_invariant.py); the
-        first len(tokens_D) rows take their one token from `tokens_D`."""
-        num_tokens = sum(len(s.token_ids) for s in batch)
-        tokens_M, pos_M, table_MN, last_R = self.packed_inputs(
-            batch, padded_rows(num_tokens), padded_rows(len(batch)), self.max_blocks_per_seq
-        )
+        """`batch` as one batch-invariant packed step (module docstring); the first
+        len(tokens_D) rows take their one token from `tokens_D` (on the device)."""
+        if self.invariant_kernels:
+            graphed = self._graphed_invariant_step(batch, tokens_D)
+            if graphed is not None:
+                return graphed
+            prefill = [len(s.token_ids) for s in batch if len(s.token_ids) > 1]
+            self.eager["eager_prefills"] += bool(prefill)
+            self.eager["eager_prefill_tokens"] += sum(prefill)
+        num_tokens, num_rows = sum(len(s.token_ids) for s in batch), len(batch)
+        if not self.invariant_kernels:  # CPU matmuls are row-invariant at these row counts
+            num_tokens, num_rows = padded_rows(num_tokens), padded_rows(num_rows)
+        host = self.packed_inputs(batch, num_tokens, num_rows, self.max_blocks_per_seq)
+        tokens_M, pos_M, table_MN, last_R = (to_device_async(t, self.device) for t in host)
         if tokens_D is not None:
             tokens_M[: len(tokens_D)] = tokens_D
-        args = [to_device_async(t, self.device) for t in (tokens_M, pos_M, table_MN, last_R)]
-        groups = width_groups(
-            args[1],
-            args[2],
-            block_size=self.block_size,
-            num_kv_heads=self.kv_cache.k_L[0].shape[0],
-            group=self.query_group,
-        )
-        return self.packed_step(*args, groups=groups)[: len(batch)]
+        groups = None
+        if self.decode_attention == "gather":
+            groups = width_groups(
+                pos_M,
+                table_MN,
+                block_size=self.block_size,
+                num_kv_heads=self.kv_cache.k_L[0].shape[0],
+                group=self.query_group,
+            )
+        return self.packed_step(tokens_M, pos_M, table_MN, last_R, groups=groups)[: len(batch)]
+
+    def _graphed_invariant_step(
+        self, batch: list[SeqInput], tokens_D: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The step replayed from a CUDA graph when one holds it, else None. Decode and
+        mixed graphs capture the same kernels (each row's result is independent of the
+        step's shape), so a token's bits do not depend on which graph, or none, ran it."""
+        decode = all(len(s.token_ids) == 1 for s in batch)
+        if (
+            decode
+            and self.decode_graphs is not None
+            and (tokens_D is None or len(tokens_D) == len(batch))
+        ):
+            num_blocks = max(s.start // self.block_size + 1 for s in batch)
+            return self.decode_graphs.run(batch, num_blocks, tokens_B=tokens_D)
+        if self.mixed_graphs is not None and self.mixed_graphs.fits(batch):
+            return self.mixed_graphs.run(batch, tokens_D)
+        return None
 
     def _check(self, batch: list[SeqInput]) -> None:
         for seq in batch:
@@ -352,7 +415,7 @@ class ModelRunner:
                 )
             h_ME = self._layer_rest(layer, h_ME, out_MHqD)
         h_RE = h_ME if last_R is None else h_ME.index_select(0, last_R)
-        return self.model.output(self.model.norm(h_RE)).float()
+        return self._head(self.model, h_RE)
 
     def packed_inputs(
         self, batch: list[SeqInput], num_tokens: int, num_rows: int, num_blocks: int
@@ -381,9 +444,9 @@ class ModelRunner:
         so each takes one matmul instead of three or two. Same math; the matmul shapes
         differ, so results may differ by rounding."""
         for layer in self.model.layers.values():
-            _pack(layer.attention, ("wq", "wk", "wv"), PACKED_QKV)
+            pack(layer.attention, ("wq", "wk", "wv"), PACKED_QKV)
             if not layer.moe_enabled:
-                _pack(layer.feed_forward, ("w1", "w3"), PACKED_W13)
+                pack(layer.feed_forward, ("w1", "w3"), PACKED_W13)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
 
     def compile_decode(self) -> None:
@@ -394,8 +457,10 @@ class ModelRunner:
         kernels, which the compiler fuses (prefill uses the same compiled parts). For CUDA
         graphs (`cuda_graphs.py`); the first calls compile."""
         self.pack_projections()
-        self._layer_qkv = torch.compile(_layer_qkv, dynamic=True)
-        self._layer_rest = torch.compile(_layer_rest, dynamic=True)
+        if self.invariant_kernels:  # compiled kernels may pick their reductions by shape
+            return
+        self._layer_qkv = torch.compile(layer_qkv, dynamic=True)
+        self._layer_rest = torch.compile(layer_rest, dynamic=True)
 
     def _forward_padded(self, batch: list[SeqInput]) -> torch.Tensor:
         device, cache = self.device, self.kv_cache
@@ -440,7 +505,7 @@ class ModelRunner:
             out_MHD = out_BHTD.transpose(1, 2).flatten(0, 1)[flat_M]
             h_ME = self._layer_rest(layer, h_ME, out_MHD)
         h_BE = h_ME[len_B.cumsum(0) - 1]
-        return self.model.output(self.model.norm(h_BE)).float()
+        return self._head(self.model, h_BE)
 
     def _rope(self, pos_M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, and sin with its first half negated, at each position: `[M, 1, D]` in the
@@ -464,63 +529,6 @@ def _check_shape(name: str, tensor: torch.Tensor, param: torch.Tensor) -> None:
         raise ValueError(
             f"state[{name!r}] has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
         )
-
-
-def _layer_qkv(layer: torch.nn.Module, h_BE: torch.Tensor, cos_B1D, signed_sin_B1D):
-    """A decode layer up to its attention: rotated queries, keys, and values."""
-    return _qkv(layer.attention, layer.attention_norm(h_BE), cos_B1D, signed_sin_B1D)
-
-
-def _layer_rest(layer: torch.nn.Module, h_BE: torch.Tensor, out_BHqD: torch.Tensor):
-    """A decode layer after its attention: output projection, feed-forward, residuals."""
-    h_BE = h_BE + layer.attention.wo(out_BHqD.flatten(1))
-    return h_BE + _ffn(layer, h_BE)
-
-
-def _qkv(attn: torch.nn.Module, x_ME: torch.Tensor, cos_M1D, signed_sin_M1D):
-    """Rotated queries and keys, and values, of each row: `[M, H, D]` each."""
-    M, D = x_ME.shape[0], attn.head_dim
-    packed = getattr(attn, PACKED_QKV, None)
-    if packed is None:
-        q_ME, k_ME, v_ME = attn.wq(x_ME), attn.wk(x_ME), attn.wv(x_ME)
-    else:  # one matmul (ModelRunner.pack_projections)
-        sizes = [attn.wq.weight.shape[0], attn.wk.weight.shape[0], attn.wv.weight.shape[0]]
-        q_ME, k_ME, v_ME = F.linear(x_ME, packed).split(sizes, dim=-1)
-    q_MHD, k_MHD, v_MHD = q_ME.view(M, -1, D), k_ME.view(M, -1, D), v_ME.view(M, -1, D)
-    if attn.q_norm is not None:
-        q_MHD = attn.q_norm(q_MHD)
-    if attn.k_norm is not None:
-        k_MHD = attn.k_norm(k_MHD)
-    # apply_rotary_emb's `x * cos + rotate_half(x) * sin`, bit for bit: rotate_half(x)
-    # = cat(-x2, x1), and (-a) * b == a * (-b) exactly, so one roll replaces the
-    # slices, negation and concatenation in every layer.
-    q_MHD = q_MHD * cos_M1D + q_MHD.roll(D // 2, dims=-1) * signed_sin_M1D
-    k_MHD = k_MHD * cos_M1D + k_MHD.roll(D // 2, dims=-1) * signed_sin_M1D
-    return q_MHD, k_MHD, v_MHD
-
-
-def _ffn(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-    ffn = layer.moe if layer.moe_enabled else layer.feed_forward
-    packed = getattr(ffn, PACKED_W13, None)
-    if packed is None:
-        return ffn(layer.ffn_norm(h))
-    gate, up = F.linear(layer.ffn_norm(h), packed).chunk(2, dim=-1)  # w1 and w3 in one matmul
-    return ffn.w2(F.silu(gate) * up)
-
-
-def _pack(module: torch.nn.Module, names: tuple[str, ...], buffer: str) -> None:
-    """Concatenates the weights of `module`'s linears `names` into one buffer and makes each
-    weight a view of its rows, so copies into the weights (weight pulls) fill the buffer."""
-    linears = [getattr(module, name) for name in names]
-    if any(linear.bias is not None for linear in linears):
-        raise ValueError(f"cannot pack {names}: they have biases")
-    packed = torch.cat([linear.weight.detach() for linear in linears])
-    module.register_buffer(buffer, packed, persistent=False)
-    start = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight = torch.nn.Parameter(packed[start : start + rows], requires_grad=False)
-        start += rows
 
 
 def _decode_attention(

@@ -17,17 +17,25 @@ Conventions (also what the trainer replays):
   taken under, that distribution renormalised over the kept support.
 Ties at a cut-off are broken by lower token id first.
 
+Batch-invariant mode (`sample_tokens(invariant=True)`): every row takes the reference path
+(the fused kernel is chosen for a whole batch, and rounds otherwise), and on CUDA the
+cumulative sums scan each row alone (`invariant_kernels.row_cumsum`: `torch.cumsum` picks
+its threads per row by the number of rows). The other ops already treat each row alone:
+sort and gathers are exact, softmax and log-softmax reduce a row in one block whose size
+depends on V only, argmax is exact.
+
 Shape legend: N = rows (sequences), V = vocab, K = kept tokens of one row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from torchtitan_rl.device import to_device_async
+from torchtitan_rl.generation import invariant_kernels
 from torchtitan_rl.generation.keyed_random import keyed_uniform
 from torchtitan_rl.generation.sampling_kernel import sample_full_vocab
 
@@ -77,6 +85,14 @@ def support_mask(
     return keep_NV
 
 
+Cumsum = Callable[[torch.Tensor], torch.Tensor]
+"""A cumulative sum over the last dim of `[R, V]`."""
+
+
+def _torch_cumsum(x_RV: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x_RV, dim=-1)
+
+
 def _filtered_support(
     logits_NV: torch.Tensor,
     *,
@@ -84,6 +100,7 @@ def _filtered_support(
     top_p_N: torch.Tensor,
     top_k_N: torch.Tensor,
     filtered_rows: Sequence[int] | None = None,
+    cumsum: Cumsum = _torch_cumsum,
 ) -> torch.Tensor | None:
     """`support_mask`, or None when no row filters (the usual RL setting: the caller can
     skip a full-vocabulary mask that keeps everything). `filtered_rows`, when the caller
@@ -106,7 +123,7 @@ def _filtered_support(
     top_k_R = torch.where(top_k_N[rows] > 0, top_k_N[rows], V)
     kept_RV = rank_V[None, :] < top_k_R[:, None]
     probs_RV = torch.softmax(sorted_RV.masked_fill(~kept_RV, float("-inf")), dim=-1)
-    mass_before_RV = torch.cumsum(probs_RV, dim=-1) - probs_RV
+    mass_before_RV = cumsum(probs_RV) - probs_RV
     # top_p == 1 must keep everything, whatever the rounding of the cumulative sum.
     in_nucleus_RV = (mass_before_RV < top_p_N[rows, None]) | (top_p_N[rows, None] >= 1)
     in_nucleus_RV[:, 0] = True
@@ -140,6 +157,7 @@ def _sampling_logprobs(
     top_p_N: torch.Tensor,
     top_k_N: torch.Tensor,
     filtered_rows: Sequence[int] | None = None,
+    cumsum: Cumsum = _torch_cumsum,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`sampling_logprobs` with a None mask when every row keeps the full vocabulary."""
     keep_NV = _filtered_support(
@@ -148,6 +166,7 @@ def _sampling_logprobs(
         top_p_N=top_p_N,
         top_k_N=top_k_N,
         filtered_rows=filtered_rows,
+        cumsum=cumsum,
     )
     # Greedy rows score at temperature 1.
     temp_N = torch.where(temperature_N > 0, temperature_N, torch.ones_like(temperature_N))
@@ -167,6 +186,7 @@ def sample_tokens(
     position_N: torch.Tensor,
     return_support: bool = False,
     plan: RowPlan | None = None,
+    invariant: bool = False,
 ) -> SampleResult:
     """Samples one token per row (see the module docstring for the conventions).
 
@@ -177,7 +197,8 @@ def sample_tokens(
     tensors still being computed, so the caller can queue more work first.
     On CUDA, with `plan`, rows that all sample from the full vocabulary take the fused
     kernel of `sampling_kernel` (the same draws, and the same tokens but within fp32
-    rounding of a boundary; no `[N, V]` intermediates).
+    rounding of a boundary; no `[N, V]` intermediates). `invariant`: batch-invariant
+    mode (module docstring).
     """
     N, V = logits_NV.shape
     sizes = [t.numel() for t in (temperature_N, top_p_N, top_k_N, key_N, position_N)]
@@ -193,7 +214,9 @@ def sample_tokens(
         sampled = [i for i, greedy in enumerate((temperature_N <= 0).tolist()) if not greedy]
     # Every row's draw when any samples (a greedy row's is unused): cheaper than selecting.
     uniform_N = keyed_uniform(key_N, position_N) if sampled else None
-    fused = device.type == "cuda" and logits_NV.dtype == torch.float32 and not return_support
+    cuda = device.type == "cuda"
+    cumsum = invariant_kernels.row_cumsum if invariant and cuda else _torch_cumsum
+    fused = cuda and logits_NV.dtype == torch.float32 and not return_support and not invariant
     if fused and plan is not None and len(sampled) == N and not plan.filtered_rows:
         token_ids_N, logprobs_N = sample_full_vocab(logits_NV, temperature_N, uniform_N)
         return SampleResult(token_ids_N=token_ids_N, logprobs_N=logprobs_N, support=None)
@@ -203,14 +226,15 @@ def sample_tokens(
         top_p_N=top_p_N,
         top_k_N=top_k_N,
         filtered_rows=plan.filtered_rows if plan is not None else None,
+        cumsum=cumsum,
     )
     if len(sampled) == N:  # no greedy row: skip the argmax and the row selection
-        token_ids_N = _inverse_cdf(logprobs_NV, uniform_N)
+        token_ids_N = _inverse_cdf(logprobs_NV, uniform_N, cumsum)
     else:
         token_ids_N = logits_NV.argmax(dim=-1)
         if sampled:
             rows = _to_device(sampled, torch.long, device)
-            token_ids_N[rows] = _inverse_cdf(logprobs_NV[rows], uniform_N[rows])
+            token_ids_N[rows] = _inverse_cdf(logprobs_NV[rows], uniform_N[rows], cumsum)
     logprobs_N = logprobs_NV.gather(1, token_ids_N[:, None]).squeeze(1)
     support = None
     if return_support:
@@ -226,10 +250,12 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
     return to_device_async(torch.tensor(values, dtype=dtype), device)
 
 
-def _inverse_cdf(logprobs_RV: torch.Tensor, uniform_R: torch.Tensor) -> torch.Tensor:
+def _inverse_cdf(
+    logprobs_RV: torch.Tensor, uniform_R: torch.Tensor, cumsum: Cumsum = _torch_cumsum
+) -> torch.Tensor:
     """The first token whose cumulative probability exceeds the uniform draw, per row."""
     probs_RV = logprobs_RV.double().exp()
-    cdf_RV = torch.cumsum(probs_RV, dim=-1)
+    cdf_RV = cumsum(probs_RV)
     total_R1 = cdf_RV[:, -1:].contiguous()
     ids_R = torch.searchsorted(cdf_RV, uniform_R[:, None] * total_R1, right=True).squeeze(1)
     # A found id's cdf rose there, so it is kept; only a draw rounded up to the total runs
