@@ -391,7 +391,7 @@ class GeneratorFleet:
         driver was busy (mean), weight-pull milliseconds (mean), engine steps, steps built
         while no step was in flight, eager prefills and their tokens (sums). Empty where
         the engines report no counters (vLLM reports only the driver's seconds)."""
-        up = [r for r in self.replicas if r.up]
+        up = [r for r in self.replicas if r.up and hasattr(r.actor, "engine_stats")]
         if not up:
             return {}
         stats = await asyncio.gather(
