@@ -151,3 +151,32 @@ def test_cuda_engine_allocates_its_result_buffers_and_event_once(monkeypatch):
     assert e.stats["steps"] > e.stats["drained_steps"]  # steps ran ahead
     for a, b in zip(got, ref):
         np.testing.assert_array_equal(a.token_ids_N, b.token_ids_N)
+
+
+@pytest.mark.parametrize("seed", ["7", 1.5, None, True], ids=["str", "float", "none", "bool"])
+def test_a_request_with_a_non_integer_seed_gets_an_error_and_the_engine_runs_on(seed):
+    """The seed is checked with the request (an ERROR completion naming it), not when the
+    engine first builds the rows' keys: that would fail every request in the engine."""
+    e = make_engine(look_ahead=False)
+    good = replace(samplings(1)[0], max_tokens=6, stop_token_ids=())
+    bad = replace(good, seed=seed)
+    outs = run(generate(e, [prompt(4), prompt(5, offset=1)], [good, bad]))
+    assert outs[1].error is not None and "seed must be an integer" in outs[1].error
+    assert outs[0].error is None and len(outs[0].token_ids_N) == 6
+
+
+def test_a_numpy_integer_seed_keys_the_draws_as_the_same_python_integer():
+    """Seeds are taken modulo 2**64 whatever integer type holds them (np.uint64 above
+    2**63 included)."""
+    seeds = [np.uint64(2**63 + 1), np.int64(-5), np.uint64(7)]
+    want = seed_keys([2**63 + 1, -5, 7])
+    assert torch.equal(seed_keys(seeds), want)
+    e = make_engine(look_ahead=False)
+    params = [replace(samplings(1)[0], seed=s, max_tokens=5, stop_token_ids=()) for s in seeds]
+    outs = run(generate(e, [prompt(4)] * 3, params))
+    e = make_engine(look_ahead=False)
+    ints = [replace(p, seed=int(s)) for p, s in zip(params, seeds)]
+    ref = run(generate(e, [prompt(4)] * 3, ints))
+    for a, b in zip(outs, ref):
+        assert a.error is None
+        np.testing.assert_array_equal(a.token_ids_N, b.token_ids_N)

@@ -71,6 +71,10 @@ class SamplingParams:
         check_range("top_p", self.top_p, gt=0, le=1)
         check_range("top_k", self.top_k, ge=0)
         check_range("max_tokens", self.max_tokens, ge=1)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer):
+            raise ValueError(
+                f"seed must be an integer, got {type(self.seed).__name__} {self.seed!r}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

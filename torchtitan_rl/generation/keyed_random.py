@@ -66,11 +66,11 @@ def _mix_(x_N: torch.Tensor, constants: tuple[int, int, int, int, int]) -> torch
 
 def seed_keys(seeds: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """Each seed's key (int64, on `device`): computed on the host, copied without waiting
-    for the device. Seeds are taken modulo 2**64."""
+    for the device. Seeds (Python or numpy integers) are taken modulo 2**64."""
     try:  # the usual seeds fit an int64 as they are (two's complement for negatives)
         seed_N = torch.tensor(seeds, dtype=torch.int64)
     except (OverflowError, ValueError):  # a seed outside the int64 range
-        seed_N = torch.tensor([as_int64(s) for s in seeds], dtype=torch.int64)
+        seed_N = torch.tensor([as_int64(int(s)) for s in seeds], dtype=torch.int64)
     key_N = _mix_(seed_N, _FMIX)
     return to_device_async(key_N.add_(GAMMA), torch.device(device))
 
