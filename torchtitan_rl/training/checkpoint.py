@@ -111,9 +111,9 @@ def _adopt_base(core: TrainerCore, state: dict) -> None:
         core.base, core.base_warm_started = saved, True
         return
     raise ValueError(
-            f"the checkpoint's LoRA adapters belong to base {state.get('lora_base')}, "
-            f"this run's is {core.base}; resume with that [model], job.seed and [lora]"
-        )
+        f"the checkpoint's LoRA adapters belong to base {state.get('lora_base')}, "
+        f"this run's is {core.base}; resume with that [model], job.seed and [lora]"
+    )
 
 
 def restore_trainer_state(core: TrainerCore, state: dict) -> None:
