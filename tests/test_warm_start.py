@@ -118,6 +118,14 @@ def test_a_warm_start_over_an_hf_checkpoint_is_said_and_quiet_otherwise():
     assert "model.hf_checkpoint='exported/hf': the warm start still runs (up to " in (
         warm_start_notice(config, AlphabetSort)
     )
+    config.lora.rank = 8  # LoRA-SFT by default over a pretrained model
+    assert "before RL, training the LoRA adapters only (warm_start.params='auto'); set" in (
+        warm_start_notice(config, AlphabetSort)
+    )
+    config.warm_start.params = "all"
+    assert "training every weight (warm_start.params='all')" in (
+        warm_start_notice(config, AlphabetSort)
+    )
     config.warm_start.steps = 0
     assert warm_start_notice(config, AlphabetSort) is None
 
