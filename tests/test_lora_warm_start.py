@@ -22,7 +22,7 @@ from torchtitan_rl.actors.trainer import TrainerActor
 from torchtitan_rl.config.loader import ConfigError, load_config
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
-from torchtitan_rl.models.lora import is_adapter, lora_modules
+from torchtitan_rl.models.lora import LoRAConfig, is_adapter, lora_modules
 from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.training.checkpoint import load_trainer_state, save_trainer_state
 from torchtitan_rl.training.trainer import TrainerCore
@@ -200,3 +200,46 @@ def test_generators_get_the_warm_started_base_before_any_adapters():
     asyncio.run(sync_after_warm_start())
     assert gen.sync_side.held_base == trainer.sync_side.base_id
     _assert_holds_full_sync(gen, trainer, "float32")
+
+
+@pytest.fixture
+def one_gpu_rank():
+    """A one-rank NCCL group: FSDP with bf16 mixed precision on the GPU."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_in_bf16_the_all_warm_start_keeps_fp32_master_weights_then_freezes_a_bf16_base(
+    one_gpu_rank,
+):
+    """bf16 on a GPU: the warm start is full training's (fp32 master weights, bf16 compute),
+    not bf16 weights updated in place; RL then trains fp32 adapters on that base rounded
+    to bf16 once."""
+
+    def core(lora: bool) -> TrainerCore:
+        return TrainerCore(
+            model_config=ModelConfig(max_seq_len=64),
+            training=TrainingConfig(lr=1e-2, dtype="bfloat16"), loss=LossConfig(),
+            correction=CorrectionConfig(), vocab_size=TRAINER_VOCAB,
+            device=torch.device("cuda"), seed=0, lora=LoRAConfig(rank=4) if lora else None,
+        )  # fmt: skip
+
+    full, lora = core(False), core(True)
+    assert _warm_start(lora) == pytest.approx(_warm_start(full), rel=1e-3)
+    assert {p.dtype for p in lora.model.parameters()} == {torch.float32}  # master weights
+    assert lora.start_rl()
+    params = dict(lora.model.named_parameters())
+    assert {p.dtype for n, p in params.items() if not is_adapter(n)} == {torch.bfloat16}
+    assert {p.dtype for n, p in params.items() if is_adapter(n)} == {torch.float32}
+    trained, state = full.full_state_dict(), _state(lora)
+    for name, weight in trained.items():  # one rounding of the trained fp32 weights
+        torch.testing.assert_close(state[name], weight.bfloat16().float(), rtol=1e-2, atol=1e-3)
+    _rl(lora, range(2))
+    after = _state(lora)
+    moved = {k for k in after if not torch.equal(after[k], state[k])}
+    assert moved and all(is_adapter(k) for k in moved)
