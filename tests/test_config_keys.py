@@ -310,7 +310,7 @@ def test_warm_start_lr_scales_the_first_supervised_update():
     def moved(lr):
         core = _core()
         before = {k: v.clone() for k, v in core.full_state_dict().items()}
-        core.sft_step(_batch(), core.warm_start_optimizer(WarmStartConfig(lr=lr)))
+        core.sft_step(_batch(), core.begin_warm_start(WarmStartConfig(lr=lr)))
         after = core.full_state_dict()
         return sum(float((after[k] - before[k]).norm() ** 2) for k in before) ** 0.5
 

@@ -23,13 +23,14 @@ from torchtitan_rl.training.trainer_config import TrainingConfig
 SEQ = 24
 
 
-def _export(core: TrainerCore, folder) -> None:
+def _export(core: TrainerCore, folder, hf_checkpoint: str = "") -> None:
     """The trainer actor's `export_hf` endpoint, run on a bare actor (no Monarch)."""
     from torchtitan_rl.actors.trainer import TrainerActor
 
     actor = TrainerActor.__new__(TrainerActor)
     actor.rank, actor.core = 0, core
-    asyncio.run(TrainerActor.__dict__["export_hf"]._method(actor, str(folder), "", "float32"))
+    export = TrainerActor.__dict__["export_hf"]._method
+    asyncio.run(export(actor, str(folder), hf_checkpoint, "float32"))
 
 
 def _hf_logprobs(model, tokens_BS) -> np.ndarray:
@@ -82,3 +83,46 @@ def test_peft_loads_the_adapter_onto_the_base_and_gives_the_trainers_logprobs(tm
     np.testing.assert_allclose(_hf_logprobs(with_adapter, tokens_BS), ours, atol=1e-5, rtol=0)
     merged = load(str(tmp_path / "hf"), dtype=torch.float32).eval()
     np.testing.assert_allclose(_hf_logprobs(merged, tokens_BS), ours, atol=1e-5, rtol=0)
+
+
+def test_a_warm_started_base_goes_into_the_adapter_folder_even_over_a_hf_checkpoint(tmp_path):
+    """`warm_start.params = "all"` trained the base loaded from model.hf_checkpoint: the
+    adapter applies to that trained base, so the folder holds it (base/) and names it, and
+    base + adapter give the trainer's log-probs; the original folder would not."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import numpy as np
+    from test_trainer import _batch, _episodes
+
+    from torchtitan_rl.training.trainer_config import WarmStartConfig
+
+    vocab = Tokenizer.from_file(None).vocab_size
+    start = TrainerCore(
+        model_config=ModelConfig(max_seq_len=64), training=TrainingConfig(), loss=LossConfig(),
+        correction=CorrectionConfig(), vocab_size=vocab, device=torch.device("cpu"), seed=0,
+    )  # fmt: skip
+    _export(start, tmp_path / "start")  # the Hugging Face folder the run loads
+    core = TrainerCore(
+        model_config=ModelConfig(max_seq_len=64, hf_checkpoint=str(tmp_path / "start")),
+        training=TrainingConfig(), loss=LossConfig(), correction=CorrectionConfig(),
+        vocab_size=vocab, device=torch.device("cpu"), seed=0, lora=LoRAConfig(rank=4),
+    )  # fmt: skip
+    optimizer = core.begin_warm_start(WarmStartConfig(lr=1e-2, params="all"))
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        core.sft_step(_batch(_episodes(rng)), optimizer)
+    assert core.start_rl()
+    nonzero_b(core, std=0.2)
+    _export(core, tmp_path / "hf", hf_checkpoint=str(tmp_path / "start"))
+    adapter = tmp_path / "hf_adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((adapter / "base").resolve())
+    tokens_BS = torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    ours = _trainer_logprobs(core, tokens_BS)
+
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    for base_folder, agrees in ((adapter / "base", True), (tmp_path / "start", False)):
+        base = load(str(base_folder), dtype=torch.float32).eval()
+        with_adapter = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
+        gap = np.abs(_hf_logprobs(with_adapter, tokens_BS) - ours).max()
+        assert (gap < 1e-5) == agrees, (base_folder, gap)

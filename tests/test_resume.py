@@ -69,15 +69,20 @@ def run(config) -> dict[str, dict[int, float]]:
 
 
 @pytest.mark.slow
-def test_stop_and_resume_matches_a_straight_run(tmp_path):
-    straight = run(tiny_config(tmp_path, "straight"))
+@pytest.mark.parametrize("lora", [[], ["--lora.rank=4"]], ids=["full", "lora"])
+def test_stop_and_resume_matches_a_straight_run(tmp_path, lora):
+    """With [lora] the warm start trains the random base (warm_start.params "auto"): the
+    checkpoint holds that base, and the resumed generator must get it before adapters."""
+    straight = run(tiny_config(tmp_path, "straight", *lora))
     first = run(
-        tiny_config(tmp_path, "resumed", "--training.stop_after=3", "--checkpoint.export_hf=true")
+        tiny_config(
+            tmp_path, "resumed", "--training.stop_after=3", "--checkpoint.export_hf=true", *lora
+        )
     )
     store = CheckpointStore(tmp_path / "resumed", keep_latest=2)
     assert [s for s, _ in store.complete()] == [2, 3]
     assert (store.latest() / "hf" / "model.safetensors").is_file()
-    second = run(tiny_config(tmp_path, "resumed"))
+    second = run(tiny_config(tmp_path, "resumed", *lora))
 
     for tag in COMPARED:
         steps = [3, 6] if tag.startswith("validation") else list(range(1, 7))

@@ -83,7 +83,7 @@ def test_non_finite_gradient_skips_the_step_and_keeps_weights():
 
 def test_sft_steps_lower_the_loss():
     core = _core()
-    opt = core.warm_start_optimizer(WarmStartConfig(lr=1e-2))
+    opt = core.begin_warm_start(WarmStartConfig(lr=1e-2))
     batch = _batch(_episodes(np.random.default_rng(3)))
     out = core.sft_step(batch, opt)
     first = out["warm_start/loss"]

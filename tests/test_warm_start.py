@@ -118,6 +118,14 @@ def test_a_warm_start_over_an_hf_checkpoint_is_said_and_quiet_otherwise():
     assert "model.hf_checkpoint='exported/hf': the warm start still runs (up to " in (
         warm_start_notice(config, AlphabetSort)
     )
+    config.lora.rank = 8  # LoRA-SFT by default over a pretrained model
+    assert "before RL, training the LoRA adapters only (warm_start.params='auto'); set" in (
+        warm_start_notice(config, AlphabetSort)
+    )
+    config.warm_start.params = "all"
+    assert "training every weight (warm_start.params='all')" in (
+        warm_start_notice(config, AlphabetSort)
+    )
     config.warm_start.steps = 0
     assert warm_start_notice(config, AlphabetSort) is None
 
@@ -136,3 +144,29 @@ def test_a_random_model_and_an_environment_without_demonstrations_is_said():
     assert "set model.hf_checkpoint" in notice and "\n" not in notice
     config.model.hf_checkpoint = "exported/hf"  # a model to start from: nothing to say
     assert warm_start_notice(config, EvenTokens) is None
+
+
+@pytest.mark.parametrize("changed", [True, False])
+def test_the_weight_sync_reopens_when_the_warm_start_changed_the_lora_base(tmp_path, changed):
+    """`warm_start.params = "all"` with [lora]: the trainer answers end_warm_start with
+    True, and the sync reopens (generators get the new base) before the weights go out."""
+    controller = _controller(tmp_path, "--warm_start.steps=2")
+    trainer, events = _Trainer(), []
+    trainer.end_warm_start = _Endpoint(lambda: changed)
+
+    async def reopen():
+        events.append("open")
+
+    class _Sync:
+        version = None
+
+        async def __call__(self):
+            events.append("sync")
+            return 0.0
+
+    controller.trainer, controller.metrics, controller.fleet.weight_sync = (
+        trainer, _Logged(), _Sync(),
+    )  # fmt: skip
+    controller.fleet.open_weight_sync = reopen
+    asyncio.run(controller.warm_start())
+    assert events == (["open", "sync"] if changed else ["sync"])

@@ -27,7 +27,7 @@ from torchtitan_rl.training.checkpoint import load_trainer_state, save_trainer_s
 from torchtitan_rl.training.trainer import TrainerCore
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
 from torchtitan_rl.types import Microbatch
-from torchtitan_rl.weight_sync.lora_sync import Payload, adapter_payload
+from torchtitan_rl.weight_sync.lora_sync import NO_BASE, Payload, adapter_payload
 from torchtitan_rl.weight_sync.packing import (
     PackedWeights,
     cuda_uuid,
@@ -91,13 +91,18 @@ class TrainerActor(Actor):
     @endpoint
     async def sft_step(self, batches: list[list[Microbatch]], warm_start: WarmStartConfig) -> dict:
         if self.sft_optimizer is None:
-            self.sft_optimizer = self.core.warm_start_optimizer(warm_start)
+            self.sft_optimizer = self.core.begin_warm_start(warm_start)
         return self.core.sft_step(batches[self.core.dp_rank], self.sft_optimizer)
 
     @endpoint
-    async def end_warm_start(self) -> None:
+    async def end_warm_start(self) -> bool:
+        """RL starts; True when the [lora] base changed (the warm start trained it): this
+        process then sends it under a new id, so generators get it before adapters."""
         self.sft_optimizer = None
-        self.core.start_rl()
+        changed = self.core.start_rl()
+        if changed:
+            self.sync_side.new_base()
+        return changed
 
     @endpoint
     async def publish_weights(self, dtype: str = "float32") -> PackedWeights | None:
@@ -152,9 +157,10 @@ class TrainerActor(Actor):
             Payload.FULL: DTYPES[dtype], Payload.ADAPTERS: torch.float32,
             Payload.BASE: next(iter(state.values())).dtype,
         }[Payload(payload)]  # fmt: skip
+        base = self.sync_side.base_id if payload == Payload.ADAPTERS else NO_BASE
         return self.sync_side.open(
             key, transport, state=state, dtype=dtype, receivers=receivers, backend=backend,
-            payload=payload,
+            payload=payload, base_id=base,
         )  # fmt: skip
 
     @endpoint
@@ -198,8 +204,13 @@ class TrainerActor(Actor):
 
     @endpoint
     async def load_checkpoint(self, folder: str) -> int:
-        """Every rank loads its shards; returns the restored policy version."""
-        return load_trainer_state(self.core, folder)
+        """Every rank loads its shards; returns the restored policy version. A base the
+        checkpoint holds (warm-started) is sent under a new id, as after the warm start."""
+        before = self.core.base
+        version = load_trainer_state(self.core, folder)
+        if self.core.base != before:
+            self.sync_side.new_base()
+        return version
 
     @endpoint
     async def export_hf(self, folder: str, hf_checkpoint: str, dtype: str) -> None:
@@ -217,7 +228,8 @@ class TrainerActor(Actor):
         if adapters is not None:
             base = {k: v for k, v in state.items() if not is_adapter(k)}
             export_peft(adapters, args, f"{folder}_adapter", hf_checkpoint=hf_checkpoint,
-                        base_state=base, dtype=dtype)  # fmt: skip
+                        base_state=base, base_trained=self.core.base_warm_started,
+                        dtype=dtype)  # fmt: skip
 
     @endpoint
     async def where(self) -> dict:

@@ -87,6 +87,11 @@ class Config:
                 'loss.kl_reference = "base" is the LoRA base model and needs lora.rank > 0; '
                 'use a Hugging Face folder or "" (the policy as RL starts)'
             )
+        if self.warm_start.params == "adapters" and not self.lora.enabled:
+            raise ConfigError(
+                'warm_start.params = "adapters" trains LoRA adapters and needs lora.rank > 0; '
+                'use "auto" or "all" (every weight)'
+            )
         if self.rollout.group_size < 2 and self.training.steps > 0:
             raise ConfigError(
                 "rollout.group_size=1: a group-relative advantage is 0 for every rollout, so "

@@ -142,9 +142,9 @@ class Controller:
         # before anything that may hang (the weight group forms next): close kills these
         # if they outlive their meshes
         self.local_processes = await record_processes(self.run_dir, self.trainer, self.fleet.actors)
-        await self.fleet.open_weight_sync()
-        if state is not None:
+        if state is not None:  # first: a checkpoint may hold the [lora] base the sync sends
             await self.restore(latest, state)
+        await self.fleet.open_weight_sync()
         (self.run_dir / "config.toml").write_text(to_toml(cfg))  # after a successful restore
         await self.sync_weights()
 
@@ -201,7 +201,9 @@ class Controller:
             pack=self.stage.pack, trainer=self.trainer, metrics=self.metrics,
             supervisor=self.supervisor, use_tqdm=self.use_tqdm,
         )  # fmt: skip
-        await self.trainer.end_warm_start.call()
+        base_changed = await self.trainer.end_warm_start.call()
+        if any(base_changed.values()):  # [lora] on the warm-started base: it goes out first
+            await self.fleet.open_weight_sync()
         if steps:
             await self.sync_weights()
 

@@ -61,9 +61,14 @@ def warm_start_notice(cfg: Config, environment) -> str | None:
     if cfg.training.steps == 0:
         return None
     if cfg.model.hf_checkpoint and cfg.warm_start.steps:
+        trains = ""
+        if cfg.lora.enabled:
+            every = cfg.warm_start.trains_all(lora=True, hf_checkpoint=cfg.model.hf_checkpoint)
+            what = "every weight" if every else "the LoRA adapters only"
+            trains = f", training {what} (warm_start.params={cfg.warm_start.params!r})"
         return (
             f"model.hf_checkpoint={cfg.model.hf_checkpoint!r}: the warm start still runs (up to "
-            f"warm_start.steps={cfg.warm_start.steps}) on these weights before RL; set "
+            f"warm_start.steps={cfg.warm_start.steps}) on these weights before RL{trains}; set "
             "warm_start.steps = 0 to start RL from them as they are"
         )
     if not cfg.model.hf_checkpoint and not cfg.warm_start.steps:

@@ -89,15 +89,19 @@ class LoRAConfig:
 
 def base_record(
     model: ModelConfig, seed: int, lora: LoRAConfig, *, vocab_size: int, dtype: str,
-    device: str,
+    device: str, warm_started: bool = False,
 ) -> str:  # fmt: skip
     """The base a LoRA checkpoint needs, as JSON: the Hugging Face folder, or what the
     random init depends on (flavor, seed, vocabulary size, the device type it was drawn on);
-    the dtype the base is frozen in; plus the adapter shape (rank, alpha, targets)."""
+    the dtype the base is frozen in; plus the adapter shape (rank, alpha, targets).
+    `warm_started`: the warm start trained that base (`warm_start.params = "all"`), so the
+    checkpoint holds it ("warm_started": true)."""
     base = {"hf_checkpoint": model.hf_checkpoint} if model.hf_checkpoint else {}
     if not base:
         base = {"flavor": model.flavor, "seed": seed, "vocab_size": vocab_size, "device": device}
     base["dtype"] = dtype
+    if warm_started:
+        base["warm_started"] = True
     shape = {"rank": lora.rank, "alpha": lora.alpha, "targets": sorted(lora.target_modules)}
     return json.dumps({**base, **shape}, sort_keys=True)
 

@@ -4,9 +4,11 @@ onto the base Hugging Face model:
     <folder>/adapter_config.json        peft_type LORA, r, lora_alpha, target_modules, ...
     <folder>/adapter_model.safetensors  base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
                                         [r, in], ...lora_B.weight [out, r], one pair per module
-    <folder>/base/                      only when the run's base is a random init (no
-                                        model.hf_checkpoint): that base as a Hugging Face
-                                        folder, which base_model_name_or_path names
+    <folder>/base/                      only when no Hugging Face folder holds the run's
+                                        base: a random init (no model.hf_checkpoint), or a
+                                        base the warm start trained (warm_start.params =
+                                        "all"); that base as a Hugging Face folder, which
+                                        base_model_name_or_path names
 
 PEFT computes W x + (alpha / r) * B A x, as models/lora.py does, so the adapter on the base
 gives the trainer's policy; the merged Hugging Face export next to it gives the same.
@@ -68,10 +70,13 @@ def export_peft(
     *,
     hf_checkpoint: str,
     base_state: dict[str, torch.Tensor],
+    base_trained: bool = False,
     dtype: str = "float32",
 ) -> Path:
     """Write `adapters` as a PEFT folder; `base_state` (full torchtitan base weights) is
-    exported into <folder>/base/ when there is no `hf_checkpoint` to name as the base."""
+    exported into <folder>/base/ (config and tokenizer from `hf_checkpoint` when there is
+    one) unless it is `hf_checkpoint`'s weights as loaded (`base_trained` False), which
+    the config then names."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -80,8 +85,8 @@ def export_peft(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     base = hf_checkpoint
-    if not hf_checkpoint:
-        export_hf(base_state, args, tmp / "base", dtype=dtype)
+    if base_trained or not hf_checkpoint:
+        export_hf(base_state, args, tmp / "base", hf_checkpoint=hf_checkpoint, dtype=dtype)
         base = str((folder / "base").resolve())
     save_file(
         peft_state(adapters, DTYPES[dtype]),

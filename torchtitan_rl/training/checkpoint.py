@@ -47,7 +47,7 @@ def load_trainer_state(core: TrainerCore, folder: str | Path) -> int:
     if core.lora.enabled:  # before the adapters' shapes can fail to match, say why
         record = {"lora_base": ""}
         dcp.load(record, checkpoint_id=str(folder), no_dist=_one_rank())
-        _check_base(core, record)
+        _adopt_base(core, record)  # a warm-started base: the template then asks for it
     state = trainer_state(core)  # the template DCP fills in place (shapes, shardings)
     dcp.load(state, checkpoint_id=str(folder), no_dist=_one_rank())
     restore_trainer_state(core, state)
@@ -64,7 +64,9 @@ def trainer_state(core: TrainerCore) -> dict:
 
     With [lora] on, "model" and "reference" hold the adapters only (the frozen base is
     rebuilt from model.hf_checkpoint, or from model.flavor and job.seed, exactly as at
-    the start), and "lora_base" (a JSON string, `lora.base_record`) names that base.
+    the start), and "lora_base" (a JSON string, `lora.base_record`) names that base. When
+    the warm start trained the base (`TrainerCore.base_warm_started`), "model" holds it
+    too, once: the KL reference's base is the same frozen weights, copied on restore.
     """
     model, optimizer = get_state_dict(core.model, core.optimizer, options=_options(core))
     state = {
@@ -82,8 +84,13 @@ def trainer_state(core: TrainerCore) -> dict:
     return state
 
 
+def _base_elsewhere(core: TrainerCore) -> bool:
+    """[lora] with a base that config rebuilds: the checkpoint leaves the base out."""
+    return core.lora.enabled and not core.base_warm_started
+
+
 def _options(core: TrainerCore) -> StateDictOptions:
-    return StateDictOptions(ignore_frozen_params=core.lora.enabled, strict=True)
+    return StateDictOptions(ignore_frozen_params=_base_elsewhere(core), strict=True)
 
 
 def _trained_only(core: TrainerCore, state: dict) -> dict:
@@ -93,24 +100,32 @@ def _trained_only(core: TrainerCore, state: dict) -> dict:
     return {k: v for k, v in state.items() if is_adapter(k)}
 
 
-def _check_base(core: TrainerCore, state: dict) -> None:
-    if core.lora.enabled and state.get("lora_base") != core.base:
-        raise ValueError(
-            f"the checkpoint's LoRA adapters belong to base {state.get('lora_base')}, "
-            f"this run's is {core.base}; resume with that [model], job.seed and [lora]"
-        )
+def _adopt_base(core: TrainerCore, state: dict) -> None:
+    """The checkpoint's base must be this run's: as built, or (a fresh core only) that
+    base as the warm start trained it, which the core then takes on (the checkpoint
+    holds those weights)."""
+    saved = state.get("lora_base")
+    if not core.lora.enabled or saved == core.base:
+        return
+    if not core.base_warm_started and saved == core.base_record(warm_started=True):
+        core.base, core.base_warm_started = saved, True
+        return
+    raise ValueError(
+        f"the checkpoint's LoRA adapters belong to base {state.get('lora_base')}, "
+        f"this run's is {core.base}; resume with that [model], job.seed and [lora]"
+    )
 
 
 def restore_trainer_state(core: TrainerCore, state: dict) -> None:
     """Restore what `trainer_state` returned (after torch.distributed.checkpoint filled it)."""
-    _check_base(core, state)
+    _adopt_base(core, state)
+    elsewhere = _base_elsewhere(core)
     set_state_dict(
         core.model,
         core.optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
-        options=StateDictOptions(ignore_frozen_params=core.lora.enabled,
-                                 strict=not core.lora.enabled),
+        options=StateDictOptions(ignore_frozen_params=elsewhere, strict=not elsewhere),
     )  # fmt: skip
     if core.reference is not None:
         if "reference" not in state:
@@ -120,6 +135,8 @@ def restore_trainer_state(core: TrainerCore, state: dict) -> None:
             state["reference"],
             options=StateDictOptions(strict=not core.lora.enabled),
         )
+        if core.base_warm_started and not core.reference.from_hf:
+            core.reference.copy_from(core.model, base_only=True)  # saved once, as the policy's
         core.reference.release()
     core.scheduler.load_state_dict(state["scheduler"])
     core.policy_version = int(state["policy_version"])

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from torchtitan_rl.models.lora import is_adapter
 from torchtitan_rl.models.qwen3 import ModelConfig, PolicyModel, build_model
 
 
@@ -47,11 +48,13 @@ class ReferencePolicy:
         """Loaded from `loss.kl_reference`: the policy never overwrites it."""
 
     @torch.no_grad()
-    def copy_from(self, policy: PolicyModel) -> None:
-        """Take the policy's current weights (shards copied in place: same layout)."""
+    def copy_from(self, policy: PolicyModel, *, base_only: bool = False) -> None:
+        """Take the policy's current weights (shards copied in place: same layout);
+        `base_only`: all but the [lora] adapters."""
         own = dict(self.model.named_parameters())
         for name, param in policy.named_parameters():
-            own[name].copy_(param.detach())
+            if not (base_only and is_adapter(name)):
+                own[name].copy_(param.detach())
         self.release()
 
     @torch.no_grad()

@@ -11,6 +11,7 @@ Legend: R rows, S sequence length, N loss tokens of a microbatch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -61,12 +62,16 @@ class TrainerCore:
         self.distributed = dist.is_initialized()
         self.lora = lora or LoRAConfig()
         self.seed = seed
-        self.base = lora_lib.base_record(
-            model_config, seed, self.lora, vocab_size=vocab_size, dtype=training.dtype,
-            device=device.type,
-        )  # fmt: skip
+        self.model_config, self.vocab_size = model_config, vocab_size
+        self.base = self.base_record(warm_started=False)
         """Which base weights (and adapter shape) this trainer's adapters belong to; the
         checkpoint records it and a resume must match it."""
+        self.base_warm_started = False
+        """[lora]: the warm start trained the base (`warm_start.params = "all"`), so no
+        config can rebuild it: checkpoints hold it and exports write it out."""
+        self.training_base = False
+        """[lora]: the warm start is training every weight; until `start_rl` the policy is
+        the model without adapters, as full training has it."""
         torch.manual_seed(seed)  # same init on every rank and in the generator
         # [lora]: built straight in the frozen base's dtype (the values of an fp32 build
         # cast to it, never a whole fp32 copy: the 8B shape's would be 28 GB)
@@ -127,11 +132,66 @@ class TrainerCore:
             apply_fsdp(model, self.device, DTYPES[self.training.dtype])
         return None
 
-    def start_rl(self) -> None:
-        """The warm start is over: the KL reference becomes the policy as RL starts (unless
-        it was loaded from loss.kl_reference)."""
+    def base_record(self, *, warm_started: bool) -> str:
+        """This trainer's `lora.base_record` (JSON), the base as built or as warm-started."""
+        return lora_lib.base_record(
+            self.model_config, self.seed, self.lora, vocab_size=self.vocab_size,
+            dtype=self.training.dtype, device=self.device.type, warm_started=warm_started,
+        )  # fmt: skip
+
+    def begin_warm_start(self, config: WarmStartConfig) -> torch.optim.Optimizer:
+        """The warm start's optimizer (its own AdamW state, dropped by `start_rl`). When it
+        trains every weight of a [lora] policy (`WarmStartConfig.trains_all`), the policy is
+        first rebuilt without adapters exactly as full training builds it (same seed, fp32
+        master weights under mixed precision), so the warm start is full training's."""
+        hf = self.model_config.hf_checkpoint
+        if self.lora.enabled and config.trains_all(lora=True, hf_checkpoint=hf):
+            if not self.training_base:
+                self._adopt(self._build(adapters=False))
+                self.training_base = True
+        return self._adamw(config.lr)
+
+    def start_rl(self) -> bool:
+        """The warm start is over. A [lora] policy whose warm start trained every weight gets
+        fresh adapters (as drawn at the start) on what it learnt, that base frozen in
+        training.dtype from here on. Then the KL reference becomes the policy as RL starts
+        (unless it was loaded from loss.kl_reference). Returns whether the base changed
+        (generators that keep a base need the new one)."""
+        changed = self.training_base
+        if changed:
+            trained, model = self.model, self._build(adapters=True)
+            _copy_parameters(model, trained)  # the base, under the same names
+            self._adopt(model)
+            self.training_base, self.base_warm_started = False, True
+            self.base = self.base_record(warm_started=True)
         if self.reference is not None and not self.reference.from_hf:
             self.reference.copy_from(self.model)
+        return changed
+
+    def _build(self, *, adapters: bool) -> PolicyModel:
+        """A sharded policy model as `__init__` builds it (seed `self.seed`; the global RNG
+        is left as it was). With `adapters` its base is a random init for the caller to
+        overwrite (no Hugging Face folder is read again)."""
+        config = self.model_config
+        if adapters:
+            config = dataclasses.replace(config, hf_checkpoint="")
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.seed)
+            model = build_model(config, self.vocab_size, self.device)
+        if adapters:
+            self._add_adapters(model)
+        self._shard(model)
+        return model
+
+    def _adopt(self, model: PolicyModel) -> None:
+        """`model` becomes the policy, with a fresh RL optimizer and schedule over what it
+        trains (RL has not started when the policy is rebuilt)."""
+        if self.training.compile:
+            apply_compile(model)
+        self.model = model
+        self.optimizer = self._adamw(self.training.lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.training.lr_factor)
 
     def _adamw(self, lr: float) -> torch.optim.Optimizer:
         # One fused kernel over all parameters on GPU. On CPU the foreach implementation
@@ -353,9 +413,6 @@ class TrainerCore:
             logprobs_N, _ = self._logprobs(self._tensors(mb), temperature)
         return logprobs_N.float().cpu().numpy()
 
-    def warm_start_optimizer(self, config: WarmStartConfig) -> torch.optim.Optimizer:
-        return self._adamw(config.lr)
-
 
 class _StageTimer:
     """Wall time of a block of device work, without a host sync inside the step: CUDA
@@ -383,6 +440,15 @@ class _StageTimer:
         if self.cuda:
             return self._start.elapsed_time(self._end) / 1e3
         return self._end - self._start
+
+
+@torch.no_grad()
+def _copy_parameters(dst: torch.nn.Module, src: torch.nn.Module) -> None:
+    """Every parameter of `src` into `dst`'s parameter of the same name (same sharding:
+    shards copied in place, cast to `dst`'s dtype)."""
+    own = dict(dst.named_parameters())
+    for name, param in src.named_parameters():
+        own[name].copy_(param.detach())
 
 
 def _on_host(parts: list[Metrics]) -> list[Metrics]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from torchtitan_rl.checks import check_range
 from torchtitan_rl.device import DTYPE_NAMES, DtypeName
@@ -74,6 +75,8 @@ class TrainingConfig:
             raise ValueError(f"training.compile must be true or false, got {self.compile!r}")
 
 
+WarmStartParams = Literal["auto", "all", "adapters"]
+
 TARGET_LOSS_WINDOW = 10
 """Warm-start steps whose mean loss `WarmStartConfig.target_loss` compares (one step's loss
 moves by ~0.1 between batches)."""
@@ -98,12 +101,26 @@ class WarmStartConfig:
     """Finite and >= 0. Stop early once the mean loss of the last 10 steps is at or below this (`steps` is
     then the most it runs), so every seed starts RL from a model as far along; 0 runs all
     `steps` (as does a cap below 10 steps, e.g. a short smoke run)."""
+    params: WarmStartParams = "auto"
+    """What the warm start trains when [lora] is on (without it: every weight). "all": every
+    weight, as full fine-tuning, then RL trains fresh adapters on that warm-started base
+    (the checkpoint then holds the base; the KL reference "base" is it). "adapters": the
+    adapters only, the base stays as loaded (LoRA-SFT, as PEFT/TRL train). "auto": "all"
+    for a random-init model (its random embeddings and head, frozen, cannot learn the task
+    through adapters), "adapters" for one loaded from model.hf_checkpoint."""
 
     def validate(self) -> None:
         check_range("warm_start.steps", self.steps, ge=0)
         check_range("warm_start.batch_size", self.batch_size, ge=1)
         check_range("warm_start.lr", self.lr, gt=0)
         check_range("warm_start.target_loss", self.target_loss, ge=0)
+
+    def trains_all(self, *, lora: bool, hf_checkpoint: str) -> bool:
+        """Whether the warm start trains every weight of a model with adapters (`lora`)
+        loaded from `hf_checkpoint` ("" for a random init): `params`, "auto" resolved."""
+        if not lora:
+            return True
+        return self.params == "all" or (self.params == "auto" and not hf_checkpoint)
 
     def reached_target(self, recent_losses: list[float]) -> bool:
         """Whether the warm start may stop: the last `TARGET_LOSS_WINDOW` losses average

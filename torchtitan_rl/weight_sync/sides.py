@@ -48,9 +48,13 @@ class SendingSide:
         self.closed: Sender | None = None
         """The sender closed last, kept until the next opens: it hands over its state (the
         delta transport's base), so a sync reopened after a replica died sends deltas."""
-        self.base_id = int.from_bytes(os.urandom(6), "little")
+        self.base_id = _new_id()
         """[lora]: names the frozen base this process sends (BASE payloads); a generator
-        holding another id (or none) gets the base before adapters (lora_sync.py)."""
+        holding another id (or none) gets the base before adapters (lora_sync.py). A new
+        one whenever the base changes (`new_base`: the warm start trained it)."""
+        self.sync_base = NO_BASE
+        """The base id the current ADAPTERS sync opened with (NO_BASE for other payloads):
+        adapters are never sent to generators that hold an older base."""
         self.last_bytes = 0
         """Bytes of the last packed payload (tests, benchmarks)."""
         self.payload = Payload.FULL
@@ -58,9 +62,10 @@ class SendingSide:
 
     def open(
         self, key: str, transport: str, *, state: dict[str, torch.Tensor], dtype: torch.dtype,
-        receivers: int, backend: str, payload: Payload = Payload.FULL,
+        receivers: int, backend: str, payload: Payload = Payload.FULL, base_id: int = NO_BASE,
     ) -> Any:  # fmt: skip
-        """Opens `transport` for `receivers` generators; returns what they need to join."""
+        """Opens `transport` for `receivers` generators; returns what they need to join.
+        `base_id`: for an ADAPTERS sync, the base its generators hold (checked at each send)."""
         layout, numel = make_layout(state)
         sender = TRANSPORTS[transport].sender(
             layout=layout, numel=numel, dtype=dtype, receivers=receivers, device=self.device,
@@ -69,7 +74,13 @@ class SendingSide:
         self.close(self.key)
         self.key, self.sender, self.layout, self.closed = key, sender, layout, None
         self.payload = Payload(payload)
+        self.sync_base = base_id
         return sender.offer
+
+    def new_base(self) -> None:
+        """The base changed: a new id, so every generator gets it before the next adapters
+        (the controller reopens the sync: `WeightSync.create` reads the id)."""
+        self.base_id = _new_id()
 
     def form(self, key: str) -> None:
         self._current(key).form()
@@ -82,7 +93,12 @@ class SendingSide:
         if layout != self.layout:
             raise RuntimeError("the weights' layout changed since the weight sync opened")
         flat_P = sender.buffer()
-        gather_into(state, flat_P)
+        gather_into(state, flat_P)  # first: the other ranks are in this collective
+        if self.sync_base not in (NO_BASE, self.base_id):
+            raise RuntimeError(
+                f"weight sync {key} sends adapters for base {self.sync_base}, but the base "
+                f"is now {self.base_id}: reopen the sync so generators get the new base first"
+            )
         self.last_bytes = flat_P.numel() * flat_P.element_size()
         return version, sender.send(version)
 
@@ -101,6 +117,10 @@ class SendingSide:
         if key != self.key or self.sender is None:
             raise RuntimeError(f"weight sync {key} is closed (current: {self.key})")
         return self.sender
+
+
+def _new_id() -> int:
+    return int.from_bytes(os.urandom(6), "little")
 
 
 class ReceivingSide:
