@@ -6,6 +6,7 @@ and closing leaves no host process running. Replicas spread over two generator h
 get the broadcast."""
 
 import asyncio
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,9 @@ import torch
 from torchtitan_rl.config import load_config
 from torchtitan_rl.controller.loop import Controller
 from torchtitan_rl.weight_sync.config import AUTO_BY_BACKEND
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from compare_runs import CLOCK_TAGS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HOSTS = ("--launcher.kind=process", "--launcher.trainer_hosts=2", "--launcher.generator_hosts=1")
@@ -86,8 +90,10 @@ async def _scenario(config):
 
 
 def _is_timing(key: str) -> bool:
-    """Wall-clock metrics (perf/*, generator/*_ms, ...): they differ between any two runs."""
-    return key.startswith("perf/") or "_ms" in key or "seconds" in key or "per_second" in key
+    """Wall-clock metrics (perf/*, generator/*_ms, the engines' step counts, ...): they differ
+    between any two runs."""
+    clock = key.startswith("perf/") or "_ms" in key or "seconds" in key or "per_second" in key
+    return clock or any(c in key for c in CLOCK_TAGS)
 
 
 @pytest.fixture(scope="module")
