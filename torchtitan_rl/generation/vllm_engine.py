@@ -113,7 +113,7 @@ class _Pending:
     """Served adapters: the adapter of its current part (None: the weights alone)."""
     done_ids: list[int] = field(default_factory=list)
     """Served adapters: tokens of its earlier parts (moved to a newer adapter at a pull:
-    `_continue`), and their log-prob rows; the current part continues after them."""
+    `_serve_adapter`), and their log-prob rows; the current part continues after them."""
     done_rows: list = field(default_factory=list)
     cached_tokens: int = 0
     """Prefix-cache hits of its earlier parts."""
@@ -388,7 +388,8 @@ class VllmEngine(EngineFront):
     def _serve_adapter(self, newest: Adapter) -> None:
         """`newest` becomes the adapter of every request admitted from now on. A running
         request cannot change adapter inside vLLM: with `recompute_on_sync` each one is
-        moved onto `newest` (`_continue`: its tokens so far re-prefilled under it), else it
+        moved onto `newest` (`_abort_part`, then `_submit`: its tokens so far become context
+        re-prefilled under `newest`, the rest is generated after them), else it
         finishes under its own adapter, its tokens labelled with that adapter's version.
         Either way none reads keys/values of another adapter (the prefix cache is keyed by
         adapter). At most MAX_LIVE_ADAPTERS stay registered: past that, the requests of
