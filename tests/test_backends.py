@@ -157,8 +157,8 @@ def test_batch_invariant_follows_batch_invariant_mode(monkeypatch):
     EngineConfig().validate()  # off stays valid
 
 
-def _recording_factory(model, engine, vocab_size, device, hf_folder):
-    return ("built", engine.backend, vocab_size, device, hf_folder)
+def _recording_factory(model, engine, vocab_size, device, hf_folder, lora):
+    return ("built", engine.backend, vocab_size, device, hf_folder, lora)
 
 
 def test_build_engine_follows_engine_factory(monkeypatch):
@@ -172,6 +172,8 @@ def test_build_engine_follows_engine_factory(monkeypatch):
     names = {name for name, _ in native.model_parameters()}
     assert "tok_embeddings.weight" in names and "output.weight" in names
     _set(monkeypatch, "native", engine_factory=f"{__name__}:_recording_factory")
-    built = build_engine(ModelConfig(), config, 97, "cpu", "/f")
-    assert built == ("built", "native", 97, "cpu", "/f")
-    assert traits("native").build(None, config, 5, "d", "") == ("built", "native", 5, "d", "")
+    built = build_engine(ModelConfig(), config, 97, "cpu", "/f", "lora")
+    assert built == ("built", "native", 97, "cpu", "/f", "lora")
+    assert traits("native").build(None, config, 5, "d", "") == (
+        "built", "native", 5, "d", "", None,
+    )  # fmt: skip

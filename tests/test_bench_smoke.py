@@ -13,7 +13,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL = ("transformers", "liger_kernel", "cut_cross_entropy", "vllm")
 """Packages some benchmark rows need and the test environment does not install."""
-SLOW = {"bench_weight_sync.py", "bench_async.py", "bench_failover.py", "bench_lora.py"}
+SLOW = {
+    "bench_weight_sync.py",
+    "bench_async.py",
+    "bench_failover.py",
+    "bench_lora.py",
+    "bench_vllm_lora.py",
+}
 """Smokes over ~20 s on a 2-core CPU (Monarch spawns two processes that import the model)."""
 BENCHES = sorted(p.name for p in (ROOT / "scripts").glob("bench_*.py"))
 

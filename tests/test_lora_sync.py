@@ -24,11 +24,11 @@ from torchtitan_rl.actors.generator import GeneratorActor
 from torchtitan_rl.actors.trainer import TrainerActor
 from torchtitan_rl.device import DTYPES
 from torchtitan_rl.generation.engine import Engine
-from torchtitan_rl.generation.interface import EngineConfig
+from torchtitan_rl.generation.interface import AdapterUse, EngineConfig
 from torchtitan_rl.models.lora import lora_modules
 from torchtitan_rl.models.qwen3 import ModelConfig, build_model
 from torchtitan_rl.types import SamplingParams
-from torchtitan_rl.weight_sync.lora_sync import LoRABase, Payload, adapter_payload
+from torchtitan_rl.weight_sync.lora_sync import SCALE, LoRABase, Payload, adapter_payload
 from torchtitan_rl.weight_sync.packing import pack_weights, unpack_weights
 from torchtitan_rl.weight_sync.sides import ReceivingSide, SendingSide
 from torchtitan_rl.weight_sync.transport import WeightSync
@@ -165,13 +165,63 @@ def test_a_fresh_replica_gets_the_base_first_and_a_survivor_keeps_its_own(transp
 
 def test_without_lora_or_with_a_full_weights_backend_every_sync_is_full():
     trainer, gen = _trainer(), _generator()
-    gen.engine.config = replace(gen.engine.config, backend="vllm")  # adapter_sync = False
+    gen.sync_side.adapter_use = AdapterUse.FULL  # vLLM with lora.vllm_sync = "merged"
 
     async def open_sync():
         return await WeightSync.create(_Mesh(trainer), [_Mesh(gen)], "float32", "controller")
 
     sync = asyncio.run(open_sync())
     assert (sync.payload, sync.base_sent_to) == (Payload.FULL, 0)
+
+
+class _Recording:
+    """An engine that serves adapters itself (`AdapterUse.SERVE`): records each load."""
+
+    adapter_use = AdapterUse.SERVE
+
+    def __init__(self):
+        self.loaded: list[tuple[int, dict[str, torch.Tensor], bool]] = []
+        self.config = EngineConfig()
+
+    def load_weights(self, state, version, partial=False):
+        self.loaded.append((version, {k: v.clone() for k, v in state.items()}, partial))
+
+
+@pytest.mark.parametrize("transport", ["controller", "broadcast"])
+def test_an_engine_serving_adapters_gets_the_base_with_the_first_adapters_then_adapters_alone(
+    transport,
+):
+    """lora.vllm_sync = "adapters": the base moves once, and reaches the engine together with
+    the first adapters (one load: never the base alone, which no version is); each later
+    sync loads only that version's A, B and scale, the bytes of the adapters; the generator
+    keeps nothing of the base once the engine has it."""
+    trainer, gen = _trainer(alpha=8.0, rank=3), _generator()
+    gen.engine = _Recording()
+    gen.sync_side = ReceivingSide(gen.device, AdapterUse.SERVE)
+
+    async def run_syncs():
+        sync = await WeightSync.create(_Mesh(trainer), [_Mesh(gen)], "float32", transport)
+        assert (sync.payload, sync.base_sent_to) == (Payload.ADAPTERS, 1)
+        for k in range(3):
+            if k:
+                _step(trainer, seed=k)
+            await sync()
+            assert trainer.sync_side.last_bytes == _adapter_bytes(trainer)
+        await sync.close()
+
+    asyncio.run(run_syncs())
+    full = trainer.core.full_state_dict(merged=False)
+    base = {k: v for k, v in full.items() if ".lora_" not in k}
+    assert [(v, p) for v, _, p in gen.engine.loaded] == [(0, False), (1, True), (2, True)]
+    for (_, state, _), k in zip(gen.engine.loaded, range(3)):
+        adapters = {n: s for n, s in state.items() if n == SCALE or ".lora_" in n}
+        assert float(adapters.pop(SCALE)) == float(torch.tensor(8.0 / 3))  # sent in fp32
+        assert len(adapters) == 2 * len(list(lora_modules(trainer.core.model)))  # A and B
+        assert set(state) - set(adapters) - {SCALE} == (set(base) if k == 0 else set())
+    first = gen.engine.loaded[0][1]
+    for name, w in base.items():  # the base as the trainer holds it, unmerged
+        assert torch.equal(first[name], w), name
+    assert gen.sync_side.lora.pending is None and gen.sync_side.held_base != -1
 
 
 @torch.no_grad()

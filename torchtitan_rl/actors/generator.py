@@ -14,7 +14,13 @@ from monarch.actor import Actor, concurrent_endpoint
 from torchtitan_rl.actors.fault_log import enable_fault_log
 from torchtitan_rl.device import DTYPES, cap_gpu_memory, describe_device, pick_device
 from torchtitan_rl.generation.backends import traits
-from torchtitan_rl.generation.interface import EngineConfig, GenerationEngine, error_completion
+from torchtitan_rl.generation.interface import (
+    AdapterUse,
+    EngineConfig,
+    GenerationEngine,
+    error_completion,
+)
+from torchtitan_rl.models.lora import LoRAConfig
 from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.types import Completion, SamplingParams
 from torchtitan_rl.weight_sync.lora_sync import Payload
@@ -23,11 +29,13 @@ from torchtitan_rl.weight_sync.sides import ReceivingSide
 
 
 def build_engine(
-    model: ModelConfig, engine: EngineConfig, vocab_size: int, device, hf_folder: str
-) -> GenerationEngine:
+    model: ModelConfig, engine: EngineConfig, vocab_size: int, device, hf_folder: str,
+    lora: LoRAConfig | None = None,
+) -> GenerationEngine:  # fmt: skip
     """The engine `engine.backend` names, with the policy's weights (`hf_folder` for a
-    backend that starts from one: generation/backends.py)."""
-    return traits(engine.backend).build(model, engine, vocab_size, device, hf_folder)
+    backend that starts from one: generation/backends.py), taking [lora] versions as `lora`
+    says (its `adapter_use`)."""
+    return traits(engine.backend).build(model, engine, vocab_size, device, hf_folder, lora)
 
 
 class GeneratorActor(Actor):
@@ -45,17 +53,19 @@ class GeneratorActor(Actor):
         log_dir: str | None = None,
         hf_folder: str = "",
         gpu: int | None = None,
+        lora: LoRAConfig | None = None,
     ):
         """`hf_folder`: where the vllm backend starts from (the policy exported by the
         trainer, or model.hf_checkpoint); unused by the native engine. `gpu`: the GPU the
-        placement gave this replica (None: GPU 0)."""
+        placement gave this replica (None: GPU 0). `lora`: the run's [lora] section (how a
+        vLLM engine takes its versions: lora.vllm_sync)."""
         self.fault_log = enable_fault_log(log_dir, actor_name, 0)
         self.actor_name = actor_name
         # sets the current GPU for this thread, which in Monarch 0.7 also runs every endpoint
         dev = self.device = pick_device(device, cpu_threads, gpu)
         cap_gpu_memory(dev, engine.gpu_memory_gib, "generator.gpu_memory_gib")
-        self.engine = build_engine(model, engine, vocab_size, dev, hf_folder)
-        self.sync_side = ReceivingSide(dev)
+        self.engine = build_engine(model, engine, vocab_size, dev, hf_folder, lora)
+        self.sync_side = ReceivingSide(dev, self.engine.adapter_use)
         """This generator's half of the current weight sync (weight_sync/sides.py)."""
 
     @concurrent_endpoint
@@ -80,9 +90,9 @@ class GeneratorActor(Actor):
 
     @concurrent_endpoint
     async def weights_base(self) -> int | None:
-        """The id of the [lora] base this generator holds (-1: none); None when its backend
-        takes full weights only (backends.py `adapter_sync`)."""
-        if not traits(self.engine.config.backend).adapter_sync:
+        """The id of the [lora] base this generator holds (-1: none); None when its engine
+        takes the merged full weights only (`AdapterUse.FULL`)."""
+        if self.sync_side.adapter_use is AdapterUse.FULL:
             return None
         return self.sync_side.held_base
 
@@ -102,7 +112,8 @@ class GeneratorActor(Actor):
         """Receive the next version by sync `key`'s transport (`payload`: what the trainer
         returned, for a transport through the controller) into memory of this process's
         own, then queue what the engine loads for it (adapters: merged with the base as the
-        engine copies them in); the engine applies it between steps. Returns the version."""
+        engine copies them in, or the adapters themselves for an engine that serves them);
+        the engine applies it between steps. Returns the version."""
         version, load = await self.sync_side.take(
             key, payload, index, DTYPES[self.engine.config.dtype]
         )

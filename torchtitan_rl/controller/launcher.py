@@ -136,6 +136,7 @@ def spawn_generator(
         log_dir=log_dir,
         hf_folder=hf_folder,
         gpu=gpu,
+        lora=cfg.lora,
     )
 
 

@@ -31,7 +31,8 @@ class BackendTraits:
     """The backend's name in error lines ("vLLM")."""
     engine_factory: str
     """"module:function" building the engine: `(model, engine, vocab_size, device,
-    hf_folder) -> GenerationEngine`; imported only by `build`."""
+    hf_folder, lora) -> GenerationEngine` (`lora`: the [lora] section, or None); imported
+    only by `build`. The engine says how it takes [lora] versions (`adapter_use`)."""
     starts_from_hf_folder: bool
     """The engine loads its first weights from a Hugging Face folder (model.hf_checkpoint,
     or one the controller exports from the trainer's initial policy before it starts)."""
@@ -46,21 +47,18 @@ class BackendTraits:
     """generator.batch_invariant applies (the native engine's own kernels); False: refused."""
     cpu_block_multiple: int
     """On CPU, generator.block_size must be a multiple of this (1: any size)."""
-    adapter_sync: bool
-    """With [lora] on, the generator takes adapter-only syncs: it keeps the frozen base of
-    the adapted weights and merges each version's adapters itself (weight_sync/lora_sync.py);
-    False: every sync moves the merged full weights."""
     package: str | None
     """The import the backend needs, checked before any process starts; None: none."""
     install_hint: str
     """Where the install of `package` is described, for the "not installed" line."""
 
-    def build(self, model, engine, vocab_size: int, device, hf_folder: str):
-        """The `GenerationEngine` for `engine` (an `EngineConfig`), built by
-        `engine_factory`, imported now (in the generator process)."""
+    def build(self, model, engine, vocab_size: int, device, hf_folder: str, lora=None):
+        """The `GenerationEngine` for `engine` (an `EngineConfig`; `lora`: the run's
+        `LoRAConfig`, None without), built by `engine_factory`, imported now (in the
+        generator process)."""
         module, name = self.engine_factory.split(":")
         factory = getattr(importlib.import_module(module), name)
-        return factory(model, engine, vocab_size, device, hf_folder)
+        return factory(model, engine, vocab_size, device, hf_folder, lora)
 
     def default_block_size(self, device_type: str) -> int:
         """generator.block_size = 0 resolved on `device_type` ("cpu", "cuda"):
@@ -80,7 +78,6 @@ BACKENDS: dict[Backend, BackendTraits] = {
         own_decode_attention=True,
         batch_invariant_mode=True,
         cpu_block_multiple=1,
-        adapter_sync=True,
         package=None,
         install_hint="",
     ),
@@ -97,8 +94,6 @@ BACKENDS: dict[Backend, BackendTraits] = {
         batch_invariant_mode=False,
         # vLLM's CPU attention needs KV blocks of a multiple of 32 tokens (its default there)
         cpu_block_multiple=32,
-        # its LoRA path (one adapter name per version, run-time adapters) is not wired here
-        adapter_sync=False,
         package="vllm",
         install_hint='see the README ("vLLM backend")',
     ),

@@ -26,7 +26,7 @@ from torchtitan_rl.device import DTYPES, to_device_async
 from torchtitan_rl.generation.block_manager import BlockManager
 from torchtitan_rl.generation.cuda_graphs import LONG_PREFILL, DecodeGraphs, MixedGraphs
 from torchtitan_rl.generation.front import EngineFront
-from torchtitan_rl.generation.interface import EngineConfig
+from torchtitan_rl.generation.interface import AdapterUse, EngineConfig
 from torchtitan_rl.generation.keyed_random import seed_keys
 from torchtitan_rl.generation.model_runner import ModelRunner
 from torchtitan_rl.generation.sampling import RowPlan, SampleResult, sample_tokens
@@ -87,10 +87,13 @@ class _Sampled:
     support_wanted: bool
 
 
-def build_native_engine(model, config: EngineConfig, vocab_size: int, device, hf_folder: str):
+def build_native_engine(
+    model, config: EngineConfig, vocab_size: int, device, hf_folder: str, lora=None
+):
     """The `generator.backend = "native"` factory (generation/backends.py): an `Engine` over
     a freshly built policy model (`model`: a `ModelConfig`); its weights arrive by the first
-    sync, so `hf_folder` is unused. Built in the engine's dtype (no fp32 copy of the whole
+    sync, so `hf_folder` is unused, and with [lora] it merges each version's adapters into
+    them (`AdapterUse.MERGE`: the same for any `lora`). Built in the engine's dtype (no fp32 copy of the whole
     model on the device at any time)."""
     from torchtitan_rl.models.qwen3 import build_model
 
@@ -102,6 +105,11 @@ class Engine(EngineFront):
 
     Call every method from the event loop thread the engine runs on.
     """
+
+    adapter_use = AdapterUse.MERGE
+    """[lora]: the generator merges each version's adapters into the weights it loads here
+    (merged weights cost nothing per token; docs/benchmarks.md, "Adapter-only weight
+    sync")."""
 
     def __init__(
         self,

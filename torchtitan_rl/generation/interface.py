@@ -4,6 +4,7 @@
 - `EngineConfig`: the settings both engines read (TOML section [generator]);
 - `request_error` / `error_completion`: which requests cannot be served, and how they come
   back;
+- `AdapterUse`: how an engine takes [lora] adapters (weight_sync/lora_sync.py);
 The asyncio front both engines share (`EngineFront`) lives in generation/front.py.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Literal, Protocol, get_args
 
 import numpy as np
@@ -74,7 +76,10 @@ class EngineConfig:
     """After a weight pull, re-prefill running requests under the new weights (their blocks
     are then shareable again). Either way no request admitted after a pull reuses keys/values
     of older weights: the native prefix cache is keyed by weight load; vLLM's is reset, and
-    without this key requests arriving while older ones run wait until those finish."""
+    without this key requests arriving while older ones run wait until those finish. vLLM
+    serving [lora] adapters (lora.vllm_sync = "adapters") keys its cache by adapter, so
+    nobody waits; without this key a running request finishes under its own adapter (its
+    tokens labelled with that version), with it it moves onto the new one."""
     decode_attention: DecodeAttention = "auto"
     """Native only. Decode-step attention: "auto" (triton on CUDA, else gather) | "gather" (any device) |
     "triton" (paged kernel, CUDA only)."""
@@ -152,8 +157,24 @@ class EngineConfig:
         return self.num_blocks or self.max_num_seqs * -(-self.max_seq_len // self.block_size)
 
 
+class AdapterUse(StrEnum):
+    """How an engine takes the versions of a [lora] policy (weight_sync/lora_sync.py)."""
+
+    FULL = "full"
+    """The merged full weights at every sync (vLLM with lora.vllm_sync = "merged")."""
+    MERGE = "merge"
+    """The base once, then adapters, which the generator merges into its weights
+    (W + scale * B @ A) before the engine loads them (the native engine)."""
+    SERVE = "serve"
+    """The base once, then adapters, which the engine applies at run time, each version as
+    an adapter of its own (vLLM with lora.vllm_sync = "adapters")."""
+
+
 class GenerationEngine(Protocol):
     """Implemented by the native `Engine` and by `VllmEngine` (`generator.backend`)."""
+
+    adapter_use: AdapterUse
+    """How this engine takes [lora] versions: what a weight sync sends it."""
 
     @property
     def policy_version(self) -> int:
@@ -173,8 +194,10 @@ class GenerationEngine(Protocol):
         self, state: Mapping[str, torch.Tensor], version: int, *, partial: bool = False
     ) -> None:
         """Queue full weights (torchtitan names), or with `partial` only those that changed
-        (a backend whose row has `adapter_sync`, which may get a mapping that makes each
-        weight as it is read: lora_sync.py `MergedWeights`); applied between engine steps."""
+        (`AdapterUse.MERGE`: a mapping that makes each weight as it is read, lora_sync.py
+        `MergedWeights`; `AdapterUse.SERVE`: a version's adapters, `*.lora_A` / `*.lora_B`
+        and `lora.scale`, with the base's weights too at the first); applied between engine
+        steps."""
 
     def model_parameters(self):
         """(name, tensor) of the model the engine computes with, in its own names and

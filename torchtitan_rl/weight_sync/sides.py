@@ -9,7 +9,8 @@ no-op, so a sync abandoned after a replica died can never disturb the one that r
 
 A sync moves one payload (weight_sync/lora_sync.py): the merged weights (FULL), or with
 [lora] the frozen base once (BASE) and then the adapters (ADAPTERS). The sending side only
-packs what it is given; the receiving side turns each payload into what its engine loads.
+packs what it is given; the receiving side turns each payload into what its engine loads,
+by how the engine takes adapters (`AdapterUse`: merged here, or served by the engine).
 A BASE sync's buffers are one-time: both sides drop them as it ends (the generator once it
 holds the base in host memory, the trainer when the sync closes) and hand the memory back
 to the device (`release_cached_memory`), which the other process on a shared GPU may need.
@@ -25,7 +26,8 @@ from typing import Any
 import torch
 
 from torchtitan_rl.device import release_cached_memory
-from torchtitan_rl.weight_sync.lora_sync import NO_BASE, LoRABase, Payload
+from torchtitan_rl.generation.interface import AdapterUse
+from torchtitan_rl.weight_sync.lora_sync import NO_BASE, LoRABase, Payload, ServedBase
 from torchtitan_rl.weight_sync.packing import (
     Layout,
     PackedWeights,
@@ -125,17 +127,22 @@ def _new_id() -> int:
 
 class ReceivingSide:
     """A generator's half: the receiver of the current sync, and with [lora] the frozen
-    base it merges adapters into (kept across syncs)."""
+    base it merges adapters into (kept across syncs), or hands to an engine that serves
+    adapters itself."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, adapter_use: AdapterUse = AdapterUse.MERGE):
+        """`adapter_use`: the engine's (`GenerationEngine.adapter_use`)."""
         self.device = device
+        self.adapter_use = AdapterUse(adapter_use)
+        """How the engine takes [lora] versions; FULL: it holds no base, so every sync to
+        it moves the merged weights (transport.py `_payload`)."""
         self.key: str | None = None
         self.receiver: Receiver | None = None
         self.payload = Payload.FULL
         """What the current sync moves."""
         self.base_id = NO_BASE
         """The base id the current sync's BASE or ADAPTERS payloads belong to."""
-        self.lora: LoRABase | None = None
+        self.lora: LoRABase | ServedBase | None = None
         """[lora]: the base received last (None before one arrives)."""
         self.transport: str | None = None
         """The current sync's transport (a key of strategies.TRANSPORTS)."""
@@ -197,11 +204,15 @@ class ReceivingSide:
         partial), or None for a BASE (kept until adapters come). `dtype`: the engine's."""
         if self.payload is Payload.FULL:
             return unpack_weights(packed), False
+        serve = self.adapter_use is AdapterUse.SERVE
         if self.payload is Payload.BASE:
-            self.lora = LoRABase(packed, self.base_id, self.device)
+            if serve:
+                self.lora = ServedBase(packed, self.base_id)
+            else:
+                self.lora = LoRABase(packed, self.base_id, self.device)
             return None
         assert self.lora is not None and self.lora.base_id == self.base_id
-        return self.lora.merge(packed, dtype)
+        return self.lora.adapters(packed) if serve else self.lora.merge(packed, dtype)
 
     def close(self) -> None:
         """Leaves the current sync (the generator is closing)."""
