@@ -35,8 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan_rl.generation.vllm_support import vllm_lora_rank
-from torchtitan_rl.models.lora import Adapters, LoRAConfig, hf_module_name
-from torchtitan_rl.weight_sync.lora_sync import SCALE
+from torchtitan_rl.models.lora import SCALE, Adapters, LoRAConfig, hf_module_name
 
 logger = logging.getLogger(__name__)
 

@@ -48,6 +48,10 @@ TARGETS = {
 VllmSync = Literal["merged", "adapters"]
 VLLM_SYNCS = get_args(VllmSync)
 
+SCALE = "lora.scale"
+"""The layout name of the adapter scale (alpha / rank) in an adapter-only weight sync's
+payload (weight_sync/lora_sync.py), as engines read it."""
+
 
 @dataclass(kw_only=True, slots=True)
 class LoRAConfig:

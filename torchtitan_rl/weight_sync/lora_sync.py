@@ -48,10 +48,9 @@ from enum import StrEnum
 
 import torch
 
+from torchtitan_rl.models.lora import SCALE
 from torchtitan_rl.weight_sync.packing import PackedWeights, unpack_weights
 
-SCALE = "lora.scale"
-"""The layout name of the adapter scale (alpha / rank) in an ADAPTERS payload."""
 NO_BASE = -1
 """A generator's base id while it holds none."""
 
