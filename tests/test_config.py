@@ -44,6 +44,7 @@ def test_int_is_accepted_for_a_float_field():
         ("--model.hf_checkpoint=/does/not/exist", "model.hf_checkpoint"),
         ("training.steps=3", "--section.key=value"),
         ("--rollout.stop=[1]", "rollout.stop[0]: expected str"),  # items of list[str]
+        ("--lora.vllm_sync=merge", "lora.vllm_sync must be one of 'merged', 'adapters'"),
     ],
 )
 def test_user_mistakes_name_the_key(override, needle):
