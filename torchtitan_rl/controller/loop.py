@@ -1,5 +1,4 @@
-"""The step loop: generate, score, pack, train, sync, report; validation and checkpoints on
-their intervals.
+"""The step loop: generate, score, pack, train, sync, report; validation, checkpoints.
 
 No tensor math here; every number comes from the actors or the rollout records. Processes
 come from `launcher`, the warm start from `warm_start`, checkpoints and resume from `resume`,
@@ -201,9 +200,8 @@ class Controller:
             pack=self.stage.pack, trainer=self.trainer, metrics=self.metrics,
             supervisor=self.supervisor, use_tqdm=self.use_tqdm,
         )  # fmt: skip
-        base_changed = await self.trainer.end_warm_start.call()
-        if any(base_changed.values()):  # [lora] on the warm-started base: it goes out first
-            await self.fleet.open_weight_sync()
+        if any((await self.trainer.end_warm_start.call()).values()):  # a new [lora] base
+            await self.fleet.open_weight_sync()  # goes out first
         if steps:
             await self.sync_weights()
 
