@@ -273,6 +273,44 @@ def test_at_most_max_live_adapters_stay_loaded(engines):
     assert served._llm.list_loras() == {served._adapters.current.id}
 
 
+def test_a_request_running_across_a_new_base_moves_onto_the_new_adapter(engines):
+    """A new base (after a warm start that trained it) with version v + 1's adapters while
+    a request of version v runs, without recompute_on_sync: v's adapter belongs to the old
+    base, so finishing under it would sample from a policy that never existed (the new base
+    with v's adapter) under v's label. The request moves onto v + 1 as recompute_on_sync
+    moves it: its first k tokens are v's, the rest the merged path's continuation on the
+    new base with v + 1's adapters, and it carries both versions."""
+    loop, served, merged, base = engines
+    _pull(served, merged, base, 50, seed=50, first=served._adapters.current is None)
+    sampling = SamplingParams(temperature=0.0, max_tokens=120)
+    ref_v50 = _run(loop, merged.generate(PROMPT, request_id="r50", sampling=sampling))
+    new_base = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(51))
+                for k, v in base.items()}  # fmt: skip
+
+    async def run():
+        long = asyncio.ensure_future(served.generate(PROMPT, request_id="b", sampling=sampling))
+        await _admitted(served, 1)
+        _pull(served, merged, new_base, 51, seed=51, first=True)
+        while served.policy_version != 51:
+            await asyncio.sleep(0)
+        (request,) = served._running.values()
+        return request.done_ids[:], await long
+
+    try:
+        done, moved = _run(loop, run())
+        k = len(done)
+        assert 0 < k < 120 and (moved.policy_version_min, moved.policy_version_max) == (50, 51)
+        np.testing.assert_array_equal(moved.token_ids_N[:k], ref_v50.token_ids_N[:k])
+        context = np.concatenate([PROMPT, done]).astype(np.int32)
+        rest = SamplingParams(temperature=0.0, max_tokens=120 - k)
+        ref_v51 = _run(loop, merged.generate(context, request_id="r51", sampling=rest))
+        np.testing.assert_array_equal(moved.token_ids_N[k:], ref_v51.token_ids_N)
+        np.testing.assert_allclose(moved.logprobs_N[k:], ref_v51.logprobs_N, atol=TOL, rtol=0)
+        assert set(served._adapters.live) == {served._adapters.current.id}
+    finally:  # the other tests' base
+        _pull(served, merged, base, 52, seed=52, first=True)
+
+
 @pytest.mark.parametrize("vllm_sync", ["adapters", "merged"])
 def test_vllm_sync_decides_what_each_sync_moves_and_vllm_serves_the_trainers_policy(
     vllm_sync, tmp_path

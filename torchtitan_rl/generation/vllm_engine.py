@@ -31,9 +31,9 @@ weights are the base; each version's adapters become a LoRA adapter of its own, 
 request admitted after the pull is served with. vLLM keys its prefix cache by adapter, so
 nothing is reset and nobody waits. A running request cannot change adapter inside vLLM:
 without `recompute_on_sync` it finishes under the adapter it was admitted with, and its
-tokens carry that version; with it, it is moved onto the new adapter (its tokens so far
-re-prefilled under it as one new vLLM request, later draws from a seed of their own), and
-its tokens carry both versions.
+tokens carry that version (unless a new base came: then it is moved); with it, it is moved
+onto the new adapter (its tokens so far re-prefilled under it as one new vLLM request,
+later draws from a seed of their own), and its tokens carry both versions.
 """
 
 from __future__ import annotations
@@ -351,12 +351,18 @@ class VllmEngine(EngineFront):
         """Full weights: reloaded in place (the prefix cache reset: module docstring).
         Served adapters (`AdapterUse.SERVE`): each version's adapters become the current
         adapter (the base's weights, which come with the first, are reloaded first);
-        running requests keep theirs unless moved (`_serve_adapter`)."""
-        newest = None
+        running requests keep theirs unless moved (`_serve_adapter`). A new base moves
+        every running request: its adapter was trained on the old base, and the new base
+        under it would be a policy no version is."""
+        newest, moved = None, []
         for state, version, partial in pending:
             adapters, weights = split_adapters(state) if self._adapters else ({}, state)
             assert not partial or adapters, "vLLM takes full weights or adapters"
             if weights:
+                if self._adapters is not None:  # before the reload: none runs on both bases
+                    moved += list(self._running.values())
+                    for request in self._running.copy().values():
+                        self._abort_part(request)
                 self._reload(weights, version)
             newest = (adapters, version) if adapters else None
             self._version = version
@@ -364,7 +370,10 @@ class VllmEngine(EngineFront):
             return
         self._adapters.clear_current()  # only the newest version is served
         if newest is not None:
-            self._serve_adapter(self._adapters.prepare(*newest))
+            self._serve_adapter(self._adapters.prepare(*newest), moved)
+        else:  # the weights alone (no adapters came with them)
+            for request in moved:
+                self._submit(request)
         self._retire()
 
     def _reload(self, weights, version: int) -> None:
@@ -385,7 +394,7 @@ class VllmEngine(EngineFront):
         reset = self._llm.reset_prefix_cache(reset_running_requests=self.config.recompute_on_sync)
         self._cache_stale = not reset
 
-    def _serve_adapter(self, newest: Adapter) -> None:
+    def _serve_adapter(self, newest: Adapter, moved: list[_Pending]) -> None:
         """`newest` becomes the adapter of every request admitted from now on. A running
         request cannot change adapter inside vLLM: with `recompute_on_sync` each one is
         moved onto `newest` (`_abort_part`, then `_submit`: its tokens so far become context
@@ -393,16 +402,18 @@ class VllmEngine(EngineFront):
         finishes under its own adapter, its tokens labelled with that adapter's version.
         Either way none reads keys/values of another adapter (the prefix cache is keyed by
         adapter). At most MAX_LIVE_ADAPTERS stay registered: past that, the requests of
-        the oldest adapters are moved too. Adapters no running request uses are removed."""
+        the oldest adapters are moved too. Adapters no running request uses are removed.
+        `moved`: requests already taken out of vLLM (a new base), to submit under `newest`."""
         running = list(self._running.values())
         if self.config.recompute_on_sync:
-            moved = running
+            also = running
         else:  # ids grow with each load: the first are the oldest
             in_use = sorted({r.adapter.id for r in running if r.adapter is not None})
             excess = set(in_use[: max(0, len(in_use) - (MAX_LIVE_ADAPTERS - 1))])
-            moved = [r for r in running if r.adapter is not None and r.adapter.id in excess]
-        for request in moved:
+            also = [r for r in running if r.adapter is not None and r.adapter.id in excess]
+        for request in also:
             self._abort_part(request)
+        moved = moved + also
         self._retire()  # room for `newest`
         self._adapters.add(newest)
         for request in moved:
