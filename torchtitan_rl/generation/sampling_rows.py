@@ -76,7 +76,8 @@ class SamplingRows:
         """Views of the device buffer, valid until the next `update`."""
         self._allocate(max_rows)
 
-    def _allocate(self, M: int) -> None:
+    def _allocate(self, rows: int) -> None:
+        M = -(-rows // 4) * 4  # every field then starts 16-byte aligned, as a fresh tensor
         cuda = self.device.type == "cuda"
         self._host_B = torch.zeros(M * BYTES_PER_ROW, dtype=torch.uint8, pin_memory=cuda)
         self._device_B = self._host_B.to(self.device) if cuda else self._host_B
