@@ -111,10 +111,11 @@ def sampling_shape(N: int, gbps: float) -> dict:
         key_N=seed_keys(range(N), "cuda"), position_N=torch.zeros(N, dtype=torch.long).cuda()
     )
     ones, zeros = torch.ones(N, device="cuda"), torch.zeros(N, dtype=torch.long, device="cuda")
+    plan = sampling.RowPlan.of([1.0] * N, [1.0] * N, [0] * N)
 
     def reference():
         logprobs, _ = sampling._sampling_logprobs(
-            logits, temperature_N=temp, top_p_N=ones, top_k_N=zeros, filtered_rows=[]
+            logits, temperature_N=temp, top_p_N=ones, top_k_N=zeros, plan=plan
         )
         return sampling._inverse_cdf(logprobs, uniform), logprobs
 
@@ -139,7 +140,7 @@ def sampling_shape(N: int, gbps: float) -> dict:
                 top_p_N=ones,
                 top_k_N=zeros,
                 **keys,
-                plan=sampling.RowPlan.of([1.0] * N, [1.0] * N, [0] * N),
+                plan=plan,
             )
         ),
     )

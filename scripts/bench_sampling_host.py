@@ -8,9 +8,13 @@ random draws, queueing the sampler and the copies of its results to the host) an
 `Engine._record` (reading the tokens, appending them, the finish checks), for one running
 batch of seeded requests that never finishes, fed the same random logits every step (no
 forward runs); `rows changed`: `_launch_sample` when the batch differs from the last
-step's (here: the same rows in another order), which rebuilds the rows' settings. Two
-settings: temperature 1 over the full vocabulary (the RL default; on CUDA the fused
-sampling kernel) and top-p 0.9 (the masked reference path).
+step's (here: the same rows in another order), which updates the rows' settings by what
+changed (here every row moves). Two settings: temperature 1 over the full vocabulary (the
+RL default; on CUDA the fused sampling kernel) and top-p 0.9 (the masked reference path).
+`ops`: tensor ops per step (each a kernel launch or a copy on CUDA; views left out, and
+the fused sampler's four Triton launches are not tensor ops), counted under a
+`TorchDispatchMode` in `_launch_sample` with the rows the same and changed, and in the
+sampler's math (which leaves out the gather of the sampled tokens' log-probs: one op).
 
 On CUDA the device is synchronized before `_record`, so its wait for the sampler is left
 out: every column is host time. On CPU `_launch_sample` also computes the sampler;
@@ -32,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan_rl.generation import sampling
 from torchtitan_rl.generation.engine import Engine
@@ -50,11 +55,14 @@ def engine_with_rows(loop, rows: int, steps: int, sampling: SamplingParams, devi
     steps (their futures on `loop`), and those requests."""
     torch.manual_seed(0)
     model = build_model(ModelConfig(), 97, device)
-    config = EngineConfig(max_num_seqs=rows, max_seq_len=2 * steps + 16, cuda_graphs=False)
+    config = EngineConfig(max_num_seqs=rows, max_seq_len=2 * steps + 48, cuda_graphs=False)
     engine = Engine(model, config, device, threaded=False)
     for i in range(rows):
         params = SamplingParams(
-            temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=2 * steps + 8, seed=i
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=2 * steps + 40,
+            seed=i,
         )
         engine._enqueue(str(i), [1 + i % 50, 2, 3], params, loop.create_future(), 0.0)
     engine._admit()
@@ -91,24 +99,62 @@ def timed_steps(
 
 def math_ms(logits_NV: torch.Tensor, sampling_params: SamplingParams, steps: int) -> float:
     """The sampler's computation from given uniforms, as `_launch_sample` queues it."""
+    times = []
+    for _ in range(steps):
+        math = sampler_math(logits_NV, sampling_params)
+        if logits_NV.device.type == "cuda":
+            torch.cuda.synchronize()  # an empty queue, as at every step of `timed_steps`
+        t0 = time.perf_counter()
+        math()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[min(5, steps // 4) :])
+
+
+def sampler_math(logits_NV: torch.Tensor, sampling_params: SamplingParams):
+    """A call of the sampler's log-softmax and inverse CDF over rows of one setting."""
     N = logits_NV.shape[0]
     device = logits_NV.device
     temp = torch.full((N,), sampling_params.temperature, device=device)
     top_p = torch.full((N,), sampling_params.top_p, device=device)
     top_k = torch.zeros(N, dtype=torch.long, device=device)
     uniform = torch.rand(N, dtype=torch.float64, device=device)
-    filtered = list(range(N)) if sampling_params.top_p < 1 else []
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()  # an empty queue, as at every step of `timed_steps`
-        t0 = time.perf_counter()
+    plan = sampling.RowPlan.of(
+        [sampling_params.temperature] * N, [sampling_params.top_p] * N, [0] * N
+    )
+
+    def math():
         logprobs, _ = sampling._sampling_logprobs(
-            logits_NV, temperature_N=temp, top_p_N=top_p, top_k_N=top_k, filtered_rows=filtered
+            logits_NV, temperature_N=temp, top_p_N=top_p, top_k_N=top_k, plan=plan
         )
         sampling._inverse_cdf(logprobs, uniform)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times[min(5, steps // 4) :])
+
+    return math
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the tensor ops run under it, views left out (they launch nothing). On CUDA a
+    Triton kernel launch is not a tensor op: the fused sampler's four are not counted."""
+
+    VIEWS = {"aten.slice.Tensor", "aten.view.dtype", "aten.alias.default", "aten.view.default",
+             "aten.unsqueeze.default", "aten.squeeze.dim", "aten.select.int"}  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += str(func) not in self.VIEWS
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(engine: Engine, requests: list, logits_NV: torch.Tensor, changing: bool) -> int:
+    """Tensor ops in `_launch_sample` at the last of a few steps (`timed_steps`' rows)."""
+    for step in range(4):
+        rows = requests[::-1] if changing and step % 2 else list(requests)
+        with CountOps() as counted:
+            sampled = engine._launch_sample(rows, logits_NV)
+        engine._record(rows, sampled, 0)
+    return counted.ops
 
 
 def main() -> None:
@@ -137,17 +183,24 @@ def main() -> None:
         row["launch_rows_changed_ms"] = changed["launch_ms"]
         assert all(len(r.token_ids) == 2 * args.steps for r in requests)
         row["math_ms"] = math_ms(logits_NV, setting, args.steps)
+        row["launch_ops"] = ops_per_step(engine, requests, logits_NV, changing=False)
+        row["launch_rows_changed_ops"] = ops_per_step(engine, requests, logits_NV, changing=True)
+        math = sampler_math(logits_NV, setting)
+        with CountOps() as counted:
+            math()
+        row["math_ops"] = counted.ops
         results.append(row)
         loop.close()
-    print(f"host ms per step, {args.rows} rows, vocab {vocab}, {device}")
+    print(f"host ms per step, {args.rows} rows, vocab {vocab}, {device}; tensor ops per step")
     print("| setting | launch_sample | record | launch + record | sampler math "
-          "| launch_sample, rows changed |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+          "| launch_sample, rows changed | ops: launch / rows changed / math |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         total = r["launch_ms"] + r["record_ms"]
+        ops = f"{r['launch_ops']} / {r['launch_rows_changed_ops']} / {r['math_ops']}"
         print(
             f"| {r['setting']} | {r['launch_ms']:.3f} | {r['record_ms']:.3f} | {total:.3f} "
-            f"| {r['math_ms']:.3f} | {r['launch_rows_changed_ms']:.3f} |"
+            f"| {r['math_ms']:.3f} | {r['launch_rows_changed_ms']:.3f} | {ops} |"
         )
     out = Path(args.out) / "bench_sampling_host.json"
     out.write_text(json.dumps(results, indent=1))

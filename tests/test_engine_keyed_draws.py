@@ -1,8 +1,9 @@
-"""The engine's random draws are keyed by (request seed, position): the positions it hands
-the sampler, advanced on the device while the batch stays the same, are every live row's
-token count at every step (look-ahead, preemption, cancellation, a pull with recompute),
-and a request's tokens are the inverse CDF of its own logits at U(seed, p), whatever ran
-beside it. On CUDA the pinned result buffers and their event are allocated once."""
+"""The engine's random draws are keyed by (request seed, position): the draws it hands the
+sampler, with positions advanced while the batch stays the same, are U(seed, token count)
+of every live row at every step (look-ahead, preemption, cancellation, a pull with
+recompute), and a request's tokens are the inverse CDF of its own logits at U(seed, p),
+whatever ran beside it. On CUDA the pinned result buffers and their event are allocated
+once."""
 
 from __future__ import annotations
 
@@ -28,21 +29,23 @@ def make_engine(look_ahead: bool, device: str = "cpu", **overrides) -> Engine:
 
 
 def watch_positions(e: Engine, monkeypatch) -> dict:
-    """Checks at every sampling that each live row's position is its token count and its
-    key its seed's; counts the steps whose positions advanced on the device."""
+    """Checks at every sampling that each live row's draw is U(its seed, its token count);
+    counts the steps whose rows were the last step's (positions advanced, not rebuilt)."""
     seen = {"steps": 0, "advanced": 0, "rows": None}
     sample = engine_module.sample_tokens
 
     def checked(logits_NV, **kwargs):
-        rows = e._rows
+        rows = e._rows.requests
         seen["steps"] += 1
-        seen["advanced"] += rows is seen["rows"]
-        seen["rows"] = rows
-        live = [(i, r) for i, r in enumerate(rows.requests) if not r.is_over()]
-        positions = kwargs["position_N"].tolist()
-        assert [positions[i] for i, _ in live] == [len(r.token_ids) for _, r in live]
-        want_keys = seed_keys([r.sampling.seed for _, r in live]).tolist()
-        assert [kwargs["key_N"][i].item() for i, _ in live] == want_keys
+        seen["advanced"] += rows == seen["rows"]
+        seen["rows"] = list(rows)
+        live = [(i, r) for i, r in enumerate(rows) if not r.is_over()]
+        want = keyed_uniform(
+            seed_keys([r.sampling.seed for _, r in live]),
+            torch.tensor([len(r.token_ids) for _, r in live]),
+        )
+        uniform_N = kwargs["uniform_N"]
+        assert [uniform_N[i].item() for i, _ in live] == want.tolist()
         return sample(logits_NV, **kwargs)
 
     monkeypatch.setattr(engine_module, "sample_tokens", checked)

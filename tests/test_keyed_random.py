@@ -1,5 +1,5 @@
 """Counter-based draws U(seed, p) (generation/keyed_random.py): the bits of a Python-integer
-SplitMix64, the same on every device and in every batch, uniform in [0, 1) (Kolmogorov-
+SplitMix64, the same on every device, on the host (numpy) and in every batch, uniform in [0, 1) (Kolmogorov-
 Smirnov and chi-square over 1e5 fixed draws, along a request's positions and across
 neighbouring seeds), and no correlation between neighbouring positions or seeds."""
 
@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from torchtitan_rl.generation.keyed_random import MASK64, keyed_uniform, seed_keys
+from torchtitan_rl.generation.keyed_random import (
+    MASK64,
+    host_seed_keys,
+    host_uniform,
+    keyed_uniform,
+    seed_keys,
+)
 
 N_DRAWS = 100_000
 KS_CRITICAL = 1.949 / math.sqrt(N_DRAWS)
@@ -57,6 +63,22 @@ def test_draws_are_the_bits_of_python_integer_splitmix64():
     assert uniform_N.tolist() == [reference_uniform(s, p) for s, p in pairs]
     # seeds are taken modulo 2**64
     assert seed_keys([-1]).item() == seed_keys([2**64 - 1]).item()
+
+
+def test_host_draws_are_the_same_bits():
+    """numpy's uint64 hash (the engine's: `host_uniform`) gives the tensor ops' bits."""
+    pairs, uniform_N = grid()
+    keys = host_seed_keys([s for s, _ in pairs])
+    assert keys.dtype == np.uint64
+    assert np.array_equal(keys.view(np.int64), seed_keys([s for s, _ in pairs]).numpy())
+    positions = np.array([p for _, p in pairs], dtype=np.int64)
+    out = np.empty(len(pairs))
+    assert host_uniform(keys, positions, out_N=out) is out
+    assert out.tolist() == uniform_N.tolist()
+    big = keyed_uniform(seed_keys(range(N_DRAWS)), torch.arange(N_DRAWS) * 977).numpy()
+    assert np.array_equal(
+        host_uniform(host_seed_keys(range(N_DRAWS)), np.arange(N_DRAWS) * 977), big
+    )
 
 
 def test_a_rows_draw_does_not_depend_on_its_batch():

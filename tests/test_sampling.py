@@ -194,9 +194,15 @@ def test_sampled_frequencies_match_the_distribution_chi_square():
         ([0.0, 0.5, 1.3, 2.0, 1.0], [1.0, 0.5, 0.99, 0.2, 1.0], [0, 3, 0, 40, 0]),
         ([1.0, 0.7, 1.0], [1.0, 1.0, 1.0], [0, 0, 0]),  # nothing filters: no mask
         ([0.0, 0.0], [0.3, 1.0], [5, 0]),  # greedy rows ignore their filters
+        ([0.8, 1.0, 1.2], [0.9, 0.5, 0.7], [0, 0, 0]),  # every row cuts by top-p alone
+        ([0.8, 1.0, 1.2], [1.0, 1.0, 1.0], [3, 10, 1]),  # every row cuts by top-k alone
+        ([1.0, 0.9, 0.0, 1.1], [0.6, 1.0, 1.0, 0.8], [0, 0, 7, 0]),  # top-p rows and others
     ],
 )
 def test_host_plan_gives_the_same_tokens_logprobs_and_supports(temps, top_ps, top_ks):
+    """The plan's shortcuts (no row selection when every row filters or samples, no top-k
+    or top-p cut that no row makes) give the bits of the sampler that finds the rows on
+    the device."""
     n = len(temps)
     logits_NV = torch.randn(n, 60, generator=torch.Generator().manual_seed(5))
     rows = dict(

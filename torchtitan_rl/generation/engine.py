@@ -5,9 +5,10 @@ Its asyncio front (submit, queue, the pull -> admit -> steps loop, close) is the
 scheduler's queue, stepping the running batch (`_steps`), applying weights.
 
 A request's token at position p (its index in the completion) draws the uniform
-U(`SamplingParams.seed`, p) of `keyed_random`, computed on the device: no generator state,
-so its tokens do not depend on what else is in the batch, when it was admitted, or whether
-it was preempted, recomputed or given a look-ahead row that was dropped.
+U(`SamplingParams.seed`, p) of `keyed_random`: no generator state, so its tokens do not
+depend on what else is in the batch, when it was admitted, or whether it was preempted,
+recomputed or given a look-ahead row that was dropped. The rows' settings and draws are
+kept from step to step and updated by what changed (`SamplingRows`).
 
 No Monarch import here: the generator actor is a thin adapter around this class.
 """
@@ -27,51 +28,11 @@ from torchtitan_rl.generation.block_manager import BlockManager
 from torchtitan_rl.generation.cuda_graphs import LONG_PREFILL, DecodeGraphs, MixedGraphs
 from torchtitan_rl.generation.front import EngineFront
 from torchtitan_rl.generation.interface import AdapterUse, EngineConfig
-from torchtitan_rl.generation.keyed_random import seed_keys
 from torchtitan_rl.generation.model_runner import ModelRunner
-from torchtitan_rl.generation.sampling import RowPlan, SampleResult, sample_tokens
+from torchtitan_rl.generation.sampling import SampleResult, sample_tokens
+from torchtitan_rl.generation.sampling_rows import SamplingRows
 from torchtitan_rl.generation.scheduler import Request, Scheduler
 from torchtitan_rl.types import Completion, FinishReason, SamplingParams
-
-
-@dataclass(kw_only=True, slots=True)
-class RowParams:
-    """Sampling settings of each row of a step, as the sampler takes them, on the device;
-    kept while the running batch stays the same (most steps), so they are not rebuilt every
-    step: only `position_N` advances, on the device (`advance`)."""
-
-    requests: list[Request]
-    temperature_N: torch.Tensor
-    top_p_N: torch.Tensor
-    top_k_N: torch.Tensor
-    key_N: torch.Tensor
-    """int64: each request's seed key (`keyed_random.seed_keys`)."""
-    position_N: torch.Tensor
-    """int64: the index in its completion of the token each row samples now."""
-    return_support: bool
-    plan: RowPlan
-
-    @classmethod
-    def of(cls, requests: list[Request], device: torch.device) -> RowParams:
-        params = [r.sampling for r in requests]
-        return cls(
-            plan=RowPlan.of(
-                [p.temperature for p in params],
-                [p.top_p for p in params],
-                [p.top_k for p in params],
-            ),
-            requests=requests,
-            temperature_N=to_device_async(torch.tensor([p.temperature for p in params]), device),
-            top_p_N=to_device_async(torch.tensor([p.top_p for p in params]), device),
-            top_k_N=to_device_async(torch.tensor([p.top_k for p in params]), device),
-            key_N=seed_keys([p.seed for p in params], device),
-            position_N=to_device_async(torch.tensor([len(r.token_ids) for r in requests]), device),
-            return_support=any(p.return_support for p in params),
-        )
-
-    def advance(self) -> None:
-        """The next step of the same requests: every position moves on by one."""
-        self.position_N.add_(1)
 
 
 @dataclass(slots=True)
@@ -150,7 +111,8 @@ class Engine(EngineFront):
         )
         self._sched = Scheduler(blocks, max_num_seqs=config.max_num_seqs)
         self._look_ahead = self._runner.device.type == "cuda" if look_ahead is None else look_ahead
-        self._rows: RowParams | None = None
+        self._rows = SamplingRows(config.max_num_seqs, self._runner.device)
+        """The sampler's inputs for the step's rows, updated by what changed."""
         self._host_out: tuple[torch.Tensor, torch.Tensor] | None = None
         """CUDA: pinned host buffers for a step's tokens and log-probs, and the event marking
         their copy done, allocated once and reused by every step: `_step` queues step k+1's
@@ -312,23 +274,23 @@ class Engine(EngineFront):
     def _launch_sample(self, requests: list[Request], logits_NV: torch.Tensor) -> _Sampled:
         """Queues the sampling of each request's next token and the copy of the results to
         the host; waits for the device only when a row wants its support."""
+        cuda = logits_NV.device.type == "cuda"
+        # Also guards the rows' host buffer: the last step's copy from it ran before its
+        # results, which the host has read.
+        assert not (cuda and self._unread), "a step's host buffers are reused before they were read"
         rows = self._rows
-        if rows is None or rows.requests != requests:  # compares by identity
-            rows = self._rows = RowParams.of(requests, logits_NV.device)
-        else:  # each row recorded one token since its last sampling (`_step`)
-            rows.advance()
+        rows.update(requests)
         out = sample_tokens(
             logits_NV,
             temperature_N=rows.temperature_N,
             top_p_N=rows.top_p_N,
             top_k_N=rows.top_k_N,
-            key_N=rows.key_N,
-            position_N=rows.position_N,
+            uniform_N=rows.uniform_N,
             return_support=rows.return_support,
             plan=rows.plan,
             invariant=self._runner.batch_invariant,
         )
-        if logits_NV.device.type != "cuda":
+        if not cuda:
             return _Sampled(out, out.token_ids_N, out.logprobs_N, None, rows.return_support)
         N = len(requests)
         if self._host_out is None or self._host_out[0].numel() < N:
@@ -338,7 +300,6 @@ class Engine(EngineFront):
                 torch.empty(size, dtype=torch.float32, pin_memory=True),
             )
             self._ready = torch.cuda.Event()
-        assert not self._unread, "a step's host buffers are reused before they were read"
         self._unread = True
         token_ids_N, logprobs_N = (buffer[:N] for buffer in self._host_out)
         token_ids_N.copy_(out.token_ids_N, non_blocking=True)

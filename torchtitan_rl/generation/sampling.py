@@ -43,18 +43,33 @@ from torchtitan_rl.generation.sampling_kernel import sample_full_vocab
 @dataclass(kw_only=True, slots=True)
 class RowPlan:
     """Which rows sample and which filter (top-k / top-p), known on the host from the rows'
-    settings; lets `sample_tokens` run without reading them back from the device."""
+    settings; lets `sample_tokens` run without reading them back from the device, and skip
+    what no row needs (an index where every row is in, a top-k or top-p cut no row makes)."""
 
     sampled_rows: list[int]
     """Rows with temperature > 0."""
     filtered_rows: list[int]
     """Sampled rows with top_k > 0 or top_p < 1."""
+    top_k: bool = True
+    """Some filtered row keeps only its top k (False: the top-k cut is skipped)."""
+    top_p: bool = True
+    """Some filtered row has top_p < 1 (False: the nucleus cut is skipped)."""
+    sampled_index: torch.Tensor | None = None
+    """`sampled_rows` on the logits' device when the caller keeps them there (the engine's
+    `SamplingRows`); None: copied there at each call that needs them."""
+    filtered_index: torch.Tensor | None = None
+    """`filtered_rows` likewise."""
 
     @classmethod
     def of(cls, temperatures: Sequence[float], top_ps: Sequence[float], top_ks: Sequence[int]):
         sampled = [i for i, t in enumerate(temperatures) if t > 0]
         filtered = [i for i in sampled if top_ks[i] > 0 or top_ps[i] < 1]
-        return cls(sampled_rows=sampled, filtered_rows=filtered)
+        return cls(
+            sampled_rows=sampled,
+            filtered_rows=filtered,
+            top_k=any(top_ks[i] > 0 for i in filtered),
+            top_p=any(top_ps[i] < 1 for i in filtered),
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -99,36 +114,56 @@ def _filtered_support(
     temperature_N: torch.Tensor,
     top_p_N: torch.Tensor,
     top_k_N: torch.Tensor,
-    filtered_rows: Sequence[int] | None = None,
+    plan: RowPlan | None = None,
     cumsum: Cumsum = _torch_cumsum,
 ) -> torch.Tensor | None:
     """`support_mask`, or None when no row filters (the usual RL setting: the caller can
-    skip a full-vocabulary mask that keeps everything). `filtered_rows`, when the caller
-    knows them on the host (`RowPlan`), saves the device sync of finding them."""
+    skip a full-vocabulary mask that keeps everything). `plan`, when the caller knows the
+    rows on the host, saves the device sync of finding them; when every row filters, no
+    row is selected or scattered back (the same bits: each row is computed alone)."""
     N, V = logits_NV.shape
-    if filtered_rows is None:
+    top_k = top_p = True
+    if plan is None:
         filtered_N = (temperature_N > 0) & ((top_k_N > 0) | (top_p_N < 1))
         if not bool(filtered_N.any()):
             return None
         rows = filtered_N.nonzero().squeeze(1)
-    elif not filtered_rows:
+    elif not plan.filtered_rows:
         return None
     else:
-        rows = _to_device(filtered_rows, torch.long, logits_NV.device)
-    keep_NV = torch.ones(N, V, dtype=torch.bool, device=logits_NV.device)
-    scaled_RV = logits_NV[rows] / temperature_N[rows, None]
+        top_k, top_p = plan.top_k, plan.top_p
+        rows = plan.filtered_index
+        if len(plan.filtered_rows) == N:
+            rows = None
+        elif rows is None:
+            rows = _to_device(plan.filtered_rows, torch.long, logits_NV.device)
+
+    def pick(x):  # the filtered rows of x
+        return x if rows is None else x[rows]
+
+    scaled_RV = pick(logits_NV) / pick(temperature_N)[:, None]
     # Stable descending sort puts the lower id first among equal logits.
     sorted_RV, order_RV = torch.sort(scaled_RV, dim=-1, descending=True, stable=True)
-    rank_V = torch.arange(V, device=logits_NV.device)
-    top_k_R = torch.where(top_k_N[rows] > 0, top_k_N[rows], V)
-    kept_RV = rank_V[None, :] < top_k_R[:, None]
-    probs_RV = torch.softmax(sorted_RV.masked_fill(~kept_RV, float("-inf")), dim=-1)
-    mass_before_RV = cumsum(probs_RV) - probs_RV
-    # top_p == 1 must keep everything, whatever the rounding of the cumulative sum.
-    in_nucleus_RV = (mass_before_RV < top_p_N[rows, None]) | (top_p_N[rows, None] >= 1)
-    in_nucleus_RV[:, 0] = True
-    kept_RV &= in_nucleus_RV
+    kept_RV = None
+    if top_k:
+        rank_V = torch.arange(V, device=logits_NV.device)
+        top_k_R = pick(top_k_N)
+        top_k_R = torch.where(top_k_R > 0, top_k_R, V)
+        kept_RV = rank_V[None, :] < top_k_R[:, None]
+        sorted_RV = sorted_RV.masked_fill(~kept_RV, float("-inf"))
+    probs_RV = torch.softmax(sorted_RV, dim=-1)
+    if top_p:
+        top_p_R1 = pick(top_p_N)[:, None]
+        mass_before_RV = cumsum(probs_RV) - probs_RV
+        # top_p == 1 must keep everything, whatever the rounding of the cumulative sum.
+        in_nucleus_RV = (mass_before_RV < top_p_R1) | (top_p_R1 >= 1)
+        in_nucleus_RV[:, 0] = True
+        kept_RV = in_nucleus_RV if kept_RV is None else kept_RV & in_nucleus_RV
+    assert kept_RV is not None, "a filtered row cuts by top-k or top-p"
     keep_RV = torch.zeros_like(kept_RV).scatter_(1, order_RV, kept_RV)
+    if rows is None:
+        return keep_RV
+    keep_NV = torch.ones(N, V, dtype=torch.bool, device=logits_NV.device)
     keep_NV[rows] = keep_RV
     return keep_NV
 
@@ -156,7 +191,7 @@ def _sampling_logprobs(
     temperature_N: torch.Tensor,
     top_p_N: torch.Tensor,
     top_k_N: torch.Tensor,
-    filtered_rows: Sequence[int] | None = None,
+    plan: RowPlan | None = None,
     cumsum: Cumsum = _torch_cumsum,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`sampling_logprobs` with a None mask when every row keeps the full vocabulary."""
@@ -165,11 +200,12 @@ def _sampling_logprobs(
         temperature_N=temperature_N,
         top_p_N=top_p_N,
         top_k_N=top_k_N,
-        filtered_rows=filtered_rows,
+        plan=plan,
         cumsum=cumsum,
     )
-    # Greedy rows score at temperature 1.
-    temp_N = torch.where(temperature_N > 0, temperature_N, torch.ones_like(temperature_N))
+    temp_N = temperature_N  # greedy rows score at temperature 1
+    if plan is None or len(plan.sampled_rows) < len(temp_N):
+        temp_N = torch.where(temperature_N > 0, temperature_N, torch.ones_like(temperature_N))
     scaled_NV = logits_NV.float() / temp_N[:, None]
     if keep_NV is not None:
         scaled_NV = scaled_NV.masked_fill(~keep_NV, float("-inf"))
@@ -182,38 +218,45 @@ def sample_tokens(
     temperature_N: torch.Tensor,
     top_p_N: torch.Tensor,
     top_k_N: torch.Tensor,
-    key_N: torch.Tensor,
-    position_N: torch.Tensor,
+    key_N: torch.Tensor | None = None,
+    position_N: torch.Tensor | None = None,
+    uniform_N: torch.Tensor | None = None,
     return_support: bool = False,
     plan: RowPlan | None = None,
     invariant: bool = False,
 ) -> SampleResult:
     """Samples one token per row (see the module docstring for the conventions).
 
-    Row i draws U(seed, p) from `key_N[i]` (its seed's key, `keyed_random.seed_keys`) and
-    `position_N[i]` (int64: the index of this token in its completion), both on the logits'
-    device; greedy rows ignore theirs. With `plan` (the rows' settings as the host knows
-    them) and no `return_support`, nothing here waits for the device: the results are
-    tensors still being computed, so the caller can queue more work first.
+    Row i draws U(seed, p): `uniform_N[i]` (float64) when the caller has the draws (the
+    engine computes them on the host, `keyed_random.host_uniform`), else computed here from
+    `key_N[i]` (its seed's key, `keyed_random.seed_keys`) and `position_N[i]` (int64: the
+    index of this token in its completion); all on the logits' device; greedy rows ignore
+    theirs. With `plan` (the rows' settings as the host knows them) and no
+    `return_support`, nothing here waits for the device: the results are tensors still
+    being computed, so the caller can queue more work first.
     On CUDA, with `plan`, rows that all sample from the full vocabulary take the fused
     kernel of `sampling_kernel` (the same draws, and the same tokens but within fp32
     rounding of a boundary; no `[N, V]` intermediates). `invariant`: batch-invariant
     mode (module docstring).
     """
     N, V = logits_NV.shape
-    sizes = [t.numel() for t in (temperature_N, top_p_N, top_k_N, key_N, position_N)]
-    if sizes != [N] * 5:
+    draws = (uniform_N,) if uniform_N is not None else (key_N, position_N)
+    if any(t is None for t in draws):
+        raise ValueError("sample_tokens needs the rows' draws: uniform_N, or key_N and position_N")
+    sizes = [t.numel() for t in (temperature_N, top_p_N, top_k_N, *draws)]
+    if sizes != [N] * len(sizes):
         raise ValueError(
-            f"need one temperature, top_p, top_k, seed key and position per row ({N} rows), "
-            f"got {sizes}"
+            f"need one temperature, top_p, top_k and draw (a uniform, or a seed key and a "
+            f"position) per row ({N} rows), got {sizes}"
         )
     device = logits_NV.device
     if plan is not None:
         sampled = plan.sampled_rows
     else:
         sampled = [i for i, greedy in enumerate((temperature_N <= 0).tolist()) if not greedy]
-    # Every row's draw when any samples (a greedy row's is unused): cheaper than selecting.
-    uniform_N = keyed_uniform(key_N, position_N) if sampled else None
+    if sampled and uniform_N is None:
+        # Every row's draw (a greedy row's is unused): cheaper than selecting.
+        uniform_N = keyed_uniform(key_N, position_N)
     cuda = device.type == "cuda"
     cumsum = invariant_kernels.row_cumsum if invariant and cuda else _torch_cumsum
     fused = cuda and logits_NV.dtype == torch.float32 and not return_support and not invariant
@@ -225,7 +268,7 @@ def sample_tokens(
         temperature_N=temperature_N,
         top_p_N=top_p_N,
         top_k_N=top_k_N,
-        filtered_rows=plan.filtered_rows if plan is not None else None,
+        plan=plan,
         cumsum=cumsum,
     )
     if len(sampled) == N:  # no greedy row: skip the argmax and the row selection
@@ -233,7 +276,9 @@ def sample_tokens(
     else:
         token_ids_N = logits_NV.argmax(dim=-1)
         if sampled:
-            rows = _to_device(sampled, torch.long, device)
+            rows = plan.sampled_index if plan is not None else None
+            if rows is None:
+                rows = _to_device(sampled, torch.long, device)
             token_ids_N[rows] = _inverse_cdf(logprobs_NV[rows], uniform_N[rows], cumsum)
     logprobs_N = logprobs_NV.gather(1, token_ids_N[:, None]).squeeze(1)
     support = None
