@@ -239,9 +239,11 @@ class LoRABase:
         return sum(t.numel() * t.element_size() for t in self.adapted.values())
 
     def nbytes(self) -> int:
-        """Bytes of host memory this copy of the base holds now."""
+        """Bytes this copy of the base holds now: the host copy while there is one, plus
+        the adapted weights' base on the device when it is kept there."""
         flat = self.host.flat_P if self.host is not None else None
-        return 0 if flat is None else flat.numel() * flat.element_size()
+        host = 0 if flat is None else flat.numel() * flat.element_size()
+        return host + (self.adapted_nbytes() if self.on_device else 0)
 
 
 def _on_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
