@@ -4,6 +4,7 @@ memory and their sum, seconds per RL step, seconds and bytes per weight sync.
     python scripts/bench_lora.py --shapes 8B --memory-cap-gib 74.5   # 8B LoRA on 80 GB
     python scripts/bench_lora.py --shapes 0.6B 4B --memory-cap-gib 74.5
     python scripts/bench_lora.py --shapes 4B --modes lora [--steps 10] [--out DIR]
+    python scripts/bench_lora.py --shapes 0.6B --generator-bases device host [--compile]
     python scripts/bench_lora.py --smoke                              # tiny shape, CPU
 
 Each (shape, mode) is one `./run_train.sh` run, one after another on the same GPU:
@@ -22,12 +23,17 @@ Shape settings (`SHAPE_ARGS`): the 8B shape's KV cache holds what this job runs 
 (`generator.num_blocks = 512`: 64 sequences x ceil((37-token prompt + 48 tokens) / 16) =
 384 blocks, plus room; the default, 64 x 512 tokens = 2048 blocks, is 4.5 GiB at 8B).
 
+`--generator-bases`: a LoRA run per `lora.generator_base` given (default: auto only), each
+a row "lora/<base>"; `--compile`: `training.compile = true` in every run (the blocks,
+adapters included, compiled by Inductor; default: eager, as the default config).
+
 Per run: exit code, the trainer's and the generator's peak reserved GPU memory at the end
 (processes.json) and their sum, mean perf/step_seconds and perf/sync_seconds over the steps
 after the second (the first ones compile), the seconds the weight sync took to open (with
 LoRA: the one-time base sync), the MB one sync moves (full: every weight in bf16; LoRA: the
 adapters in fp32) and, with LoRA, the MB the generator copies from host to device per sync
-(the base of every adapted weight, kept in host memory). Prints a table and writes
+(the base of every adapted weight with `lora.generator_base = "host"`, 0 with "device";
+"auto" picks one at run time, so its row leaves it blank). Prints a table and writes
 lora.json; a run that fails (e.g. out of memory under the cap) is a row with its error.
 The end-of-run exports (hf/, hf_adapter/: 28 GB at 8B in bf16) are deleted once a run ends.
 """
@@ -103,11 +109,13 @@ def caps(total_gib: float, trainer_share: float) -> tuple[str, ...]:
 
 
 def run(shape: str, mode: str, extra: tuple[str, ...], steps: int, out: Path) -> dict:
-    name = f"{shape}_{mode}"
+    """One run; `mode`: "full", or "lora/<lora.generator_base>"."""
+    name = f"{shape}_{mode.replace('/', '_')}"
     args = [*COMMON, *SHAPE_ARGS.get(shape, ()), *extra, f"--model.flavor={shape}",
             f"--training.steps={steps}", f"--job.output_dir={out}", f"--job.run_name={name}"]  # fmt: skip
-    if mode == "lora":
-        args.append(f"--lora.rank={LORA_RANK}")
+    lora, _, base = mode.partition("/")
+    if lora == "lora":
+        args += [f"--lora.rank={LORA_RANK}", f"--lora.generator_base={base}"]
     t0 = time.perf_counter()
     proc = subprocess.run([str(ROOT / "run_train.sh"), *args], capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -129,7 +137,8 @@ def run(shape: str, mode: str, extra: tuple[str, ...], steps: int, out: Path) ->
     peak = {w["role"]: w.get("peak_reserved_gib") for w in processes}
     opened = re.search(r"weight sync: .*; opened in ([0-9.]+) s", log)
     n = sizes(shape, LORA_RANK)
-    lora = mode == "lora"
+    lora = lora == "lora"
+    h2d = {"host": round(2 * n["adapted"] / 1e6, 1), "device": 0.0}.get(base)
     both = [peak.get("trainer"), peak.get("generator")]
     return {
         **row,
@@ -138,8 +147,13 @@ def run(shape: str, mode: str, extra: tuple[str, ...], steps: int, out: Path) ->
         "trainer_peak_gib": both[0], "generator_peak_gib": both[1],
         "sum_peak_gib": round(sum(both), 2) if None not in both else None,
         "sync_mb": round((4 * n["adapters"] + 4 if lora else 2 * n["all"]) / 1e6, 1),
-        "h2d_mb": round(2 * n["adapted"] / 1e6, 1) if lora else None,
+        "h2d_mb": h2d if lora else None,
     }  # fmt: skip
+
+
+def _expand(mode: str, bases: list[str]) -> list[str]:
+    """A LoRA mode becomes one "lora/<base>" per `lora.generator_base` asked for."""
+    return [f"lora/{b}" for b in bases] if mode == "lora" else [mode]
 
 
 def main() -> None:
@@ -153,6 +167,9 @@ def main() -> None:
                    help="cap on both processes together, split by --trainer-share (0: none)")  # fmt: skip
     p.add_argument("--trainer-share", type=float, default=0.5)
     p.add_argument("--out", default=os.environ.get("OUT", "outputs/bench_lora"))
+    p.add_argument("--generator-bases", nargs="+", default=["auto"],
+                   choices=["auto", "device", "host"], help="lora.generator_base of LoRA runs")  # fmt: skip
+    p.add_argument("--compile", action="store_true", help="training.compile = true")
     p.add_argument("--smoke", action="store_true", help="the tiny shape on CPU, 3 steps")
     a = p.parse_args()
     if a.smoke:
@@ -161,11 +178,15 @@ def main() -> None:
     if not 0 < a.trainer_share < 1:
         p.error(f"--trainer-share must be in (0, 1), got {a.trainer_share}")
     extra = caps(a.memory_cap_gib, a.trainer_share)
+    if a.compile:
+        extra = (*extra, "--training.compile=true")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for shape in a.shapes:
-        for mode in a.modes or MODES.get(shape, ("full", "lora")):
+        modes = a.modes or MODES.get(shape, ("full", "lora"))
+        modes = [m for mode in modes for m in _expand(mode, a.generator_bases)]
+        for mode in modes:
             rows.append({**run(shape, mode, extra, a.steps, out), "cap_gib": a.memory_cap_gib})
             print(json.dumps(rows[-1]), flush=True)
             (out / "lora.json").write_text(json.dumps(rows, indent=1))

@@ -200,7 +200,7 @@ def main() -> None:
         print(f"| {r['transport']} | {r['payload']} | {r['bytes'] / 1e6:,.3f} | "
               f"{r['seconds']:.4f} | {r['cold_seconds']:.4f} | {r['open_seconds']:.3f} |")  # fmt: skip
     base = next(r["generator_base_bytes"] for r in rows if "generator_base_bytes" in r)
-    print(f"generator's kept base (adapted weights, trainer dtype): {base / 1e6:,.1f} MB")
+    print(f"generator's kept base (generator_base auto, trainer dtype): {base / 1e6:,.1f} MB")
     print("| one layer's 7 projections, decode rows | merged ms | run-time adapters ms |")
     print("|---|---|---|")
     print(f"| {runtime['rows']} | {runtime['merged_ms']:.3f} | {runtime['runtime_ms']:.3f} |")

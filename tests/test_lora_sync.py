@@ -381,7 +381,7 @@ def test_on_a_gpu_the_base_waits_in_locked_host_memory_and_merges_bit_for_bit():
     packed = pack_weights(base, 0, torch.bfloat16)
     packed.flat_P = packed.flat_P.to(device)
     before = torch.cuda.memory_allocated(device)
-    lora = LoRABase(packed, base_id=9, device=device)
+    lora = LoRABase(packed, base_id=9, device=device, placement="host")
     del packed
     assert lora.host.locked and lora.host.flat_P.device.type == "cpu"
     assert torch.cuda.memory_allocated(device) <= before - lora.nbytes()  # the packed base went

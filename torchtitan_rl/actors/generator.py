@@ -58,14 +58,17 @@ class GeneratorActor(Actor):
         """`hf_folder`: where the vllm backend starts from (the policy exported by the
         trainer, or model.hf_checkpoint); unused by the native engine. `gpu`: the GPU the
         placement gave this replica (None: GPU 0). `lora`: the run's [lora] section (how a
-        vLLM engine takes its versions: lora.vllm_sync)."""
+        vLLM engine takes its versions: lora.vllm_sync; where the native one keeps the
+        base: lora.generator_base)."""
         self.fault_log = enable_fault_log(log_dir, actor_name, 0)
         self.actor_name = actor_name
         # sets the current GPU for this thread, which in Monarch 0.7 also runs every endpoint
         dev = self.device = pick_device(device, cpu_threads, gpu)
         cap_gpu_memory(dev, engine.gpu_memory_gib, "generator.gpu_memory_gib")
         self.engine = build_engine(model, engine, vocab_size, dev, hf_folder, lora)
-        self.sync_side = ReceivingSide(dev, self.engine.adapter_use)
+        base = lora.generator_base if lora is not None else "auto"
+        cap = int(engine.gpu_memory_gib * 2**30)
+        self.sync_side = ReceivingSide(dev, self.engine.adapter_use, base, cap)
         """This generator's half of the current weight sync (weight_sync/sides.py)."""
 
     @concurrent_endpoint

@@ -47,6 +47,8 @@ TARGETS = {
 """Hugging Face / PEFT projection name -> (torchtitan module under a block, HF parent)."""
 VllmSync = Literal["merged", "adapters"]
 VLLM_SYNCS = get_args(VllmSync)
+GeneratorBase = Literal["auto", "device", "host"]
+GENERATOR_BASES = get_args(GeneratorBase)
 
 SCALE = "lora.scale"
 """The layout name of the adapter scale (alpha / rank) in an adapter-only weight sync's
@@ -75,6 +77,15 @@ class LoRAConfig:
     built with LoRA; the base once, then each version's adapters alone, served as a new
     LoRA adapter per version; docs/design.md, "LoRA"). The native engine always takes
     adapters and merges them itself."""
+    generator_base: GeneratorBase = "auto"
+    """Where a native generator keeps the frozen base of the adapted weights, which it
+    merges each version's adapters into: "device" (in its device's memory for the run: the
+    adapted weights once more, in the trainer's dtype; nothing moves per sync) | "host"
+    (page-locked host memory; each sync copies it to the GPU weight by weight as it merges:
+    7.3 GB at the 4B shape, 13.9 GB at 8B) | "auto" (device when it fits the generator's
+    GPU memory with room to spare, else host: weight_sync/lora_sync.py
+    `base_fits_on_device`). On CPU both are host memory: "device" and "auto" keep only the
+    adapted weights' base, "host" the whole base as received."""
 
     @property
     def enabled(self) -> bool:
@@ -90,6 +101,10 @@ class LoRAConfig:
         check_range("lora.dropout", self.dropout, ge=0, lt=1)
         if self.vllm_sync not in VLLM_SYNCS:
             raise ValueError(f"lora.vllm_sync must be one of {VLLM_SYNCS}, got {self.vllm_sync!r}")
+        if self.generator_base not in GENERATOR_BASES:
+            raise ValueError(
+                f"lora.generator_base must be one of {GENERATOR_BASES}, got {self.generator_base!r}"
+            )
         bad = [t for t in self.target_modules if t not in TARGETS]
         if (
             bad
@@ -139,14 +154,60 @@ class LoRALinear(nn.Linear):
         """False inside `adapters_disabled`: the base model's forward (the KL reference)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
         if not self.adapters_enabled:
-            return out
-        if self.dropout and self.training:
-            x = F.dropout(x, self.dropout)
+            return F.linear(x, self.weight)
+        w, a, b = self.weight, self.lora_A, self.lora_B
         # under FSDP mixed precision every gathered parameter is in the compute dtype already
-        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        return out + self.scale * F.linear(F.linear(x, a), b)
+        if a.dtype != x.dtype:
+            a, b = a.to(x.dtype), b.to(x.dtype)
+        dropout = self.dropout and self.training
+        if dropout or isinstance(w, DTensor):
+            # dropout: the adapter sees another input; TP: DTensor ops lay the sum out
+            xa = F.dropout(x, self.dropout) if dropout else x
+            return F.linear(x, w) + self.scale * F.linear(F.linear(xa, a), b)
+        return LoRAProjection.apply(x, w, a, b, self.scale)
+
+
+class LoRAProjection(torch.autograd.Function):
+    """y = x W^T + scale * (x A^T) B^T as one autograd node of few kernels (plain tensors).
+
+    Written out, the adapted projection is 5 kernels forward and 7 backward, each behind a
+    Python op and an autograd node (`tests/test_lora_speed.py` counts them); a trainer step
+    of a small model on a GPU is bound by that overhead (docs/benchmarks.md, "LoRA against
+    full training on one GPU"). Here the scale and the sum ride in the GEMMs' epilogues
+    (addmm's alpha and beta): forward x W^T, h = x A^T, y += scale h B^T (3 GEMMs); backward
+    gB = g B, dx = g W + scale gB A, dA = scale gB^T x, dB = scale g^T h (5 GEMMs).
+    Each sum and scale is applied to an fp32 accumulator and rounded once, where the
+    written-out form rounds B's product, its scaling and the sum one by one in bf16."""
+
+    @staticmethod
+    def forward(ctx, x, w, a, b, scale: float):
+        x_TD = x.reshape(-1, x.shape[-1])
+        h_TR = torch.mm(x_TD, a.t())
+        y_TO = torch.mm(x_TD, w.t())
+        y_TO.addmm_(h_TR, b.t(), alpha=scale)
+        ctx.save_for_backward(x_TD, w, a, b, h_TR)
+        ctx.scale, ctx.x_shape = scale, x.shape
+        return y_TO.view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_TD, w, a, b, h_TR = ctx.saved_tensors
+        s, need = ctx.scale, ctx.needs_input_grad
+        g_TO = grad.reshape(-1, grad.shape[-1])
+        gb_TR = torch.mm(g_TO, b) if need[0] or need[2] else None
+        dx = dw = da = db = None
+        if need[0]:
+            dx = torch.mm(g_TO, w).addmm_(gb_TR, a, alpha=s).view(ctx.x_shape)
+        if need[1]:
+            dw = torch.mm(g_TO.t(), x_TD)
+        # beta=0: the first argument only gives the shape (BLAS ignores it; a and b are
+        # finite, so a decomposition that computes 0 * it adds zeros)
+        if need[2]:
+            da = torch.addmm(a, gb_TR.t(), x_TD, beta=0, alpha=s)
+        if need[3]:
+            db = torch.addmm(b, g_TO.t(), h_TR, beta=0, alpha=s)
+        return dx, dw, da, db, None
 
 
 def add_adapters(

@@ -33,11 +33,14 @@ Who holds the base: the trainer's sending side draws a random id per process
 (at start, and after each change of the set of generators) those whose id differs (fresh or
 restarted replicas) first get a BASE sync of their own (transport.py).
 
-Generator memory (MERGE): the base, in the trainer's dtype, kept in host memory for the run
-(page-locked when the generator computes on a GPU: `HostCopy`); each sync copies the base of
-every adapted weight to the device, one weight at a time, as it merges it (the 8B shape:
-13.9 GB host to device per sync, no GPU memory kept; docs/benchmarks.md, "Adapter-only
-weight sync").
+Generator memory (MERGE), by `lora.generator_base`: the base arrives in host memory
+(page-locked when the generator computes on a GPU: `HostCopy`). "host" keeps it there for
+the run, and each sync copies the base of every adapted weight to the device, one weight at
+a time, as it merges it (the 8B shape: 13.9 GB host to device per sync, no GPU memory kept;
+docs/benchmarks.md, "Adapter-only weight sync"). "device" copies the adapted weights' base
+to the device once, at the first merge, and lets the host copy go once the engine has
+loaded the base's other weights: no copy per sync, the adapted weights once more on the
+device. "auto" picks one at the first merge (`base_fits_on_device`).
 """
 
 from __future__ import annotations
@@ -48,11 +51,31 @@ from enum import StrEnum
 
 import torch
 
-from torchtitan_rl.models.lora import SCALE
+from torchtitan_rl.models.lora import SCALE, GeneratorBase
 from torchtitan_rl.weight_sync.packing import PackedWeights, unpack_weights
 
 NO_BASE = -1
 """A generator's base id while it holds none."""
+FREE_SHARE = 0.5
+"""`lora.generator_base = "auto"`: the most of the GPU's free memory the kept base may take;
+a trainer sharing the GPU may not have reached its peak when the first merge looks."""
+CAP_SHARE = 0.9
+"""... and under `generator.gpu_memory_gib`, the most of the cap the generator's peak so far
+and the kept base may fill together (room for prefill activations that peak has not seen)."""
+MERGE_BYTES_PER_ELEMENT = 12
+"""A merge's temporaries per element of its weight: the base, B @ A and their sum in fp32."""
+
+
+def base_fits_on_device(need: int, *, free: int, cap: int, peak: int) -> bool:
+    """`lora.generator_base = "auto"`: whether `need` bytes (the adapted weights' base and
+    the largest merge's temporaries) may stay on the GPU for the run, given the GPU's free
+    bytes now, the process's cap in bytes (0: none) and its peak reserved bytes so far.
+
+    E.g. the 8B shape capped at 37.25 GiB (half an 80 GB GPU): 12.9 GiB of base on a 36 GiB
+    peak does not fit (host); the 4B shape under a 37 GiB cap, 6.8 GiB on 22 GiB, does."""
+    if need > FREE_SHARE * free:
+        return False
+    return not cap or peak + need <= CAP_SHARE * cap
 
 
 class Payload(StrEnum):
@@ -111,14 +134,15 @@ def _unlock_pages(ptr: int, device: torch.device) -> None:
 class MergedWeights(Mapping[str, torch.Tensor]):
     """What the engine loads for one ADAPTERS payload, made as it is read: W = base + scale
     * B @ A in `dtype` for every adapted weight (its base copied from host memory to
-    `device` right then), and for the first payload after a base the base's other weights
+    `device` right then, unless kept there), and for the first payload after a base the
+    base's other weights
     as they are (host tensors, which the engine's copy moves and casts). The engine reads
     one name at a time and copies the weight into place before reading the next
     (`ModelRunner.load_state_dict`), so one weight's temporaries (the 8B shape's largest:
     ~0.8 GB) live on the device at a time, never every merge at once."""
 
     def __init__(
-        self, host: HostCopy, bases: dict[str, torch.Tensor],
+        self, host: HostCopy | None, bases: dict[str, torch.Tensor],
         adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float,
         dtype: torch.dtype, device: torch.device, others: dict[str, torch.Tensor],
     ):  # fmt: skip
@@ -143,22 +167,33 @@ class MergedWeights(Mapping[str, torch.Tensor]):
 
 
 class LoRABase:
-    """A generator's copy of the frozen base (a BASE payload), in host memory, and what it
-    merges with each ADAPTERS payload."""
+    """A generator's copy of the frozen base (a BASE payload), and what it merges with each
+    ADAPTERS payload; where it is kept: `placement` (module docstring)."""
 
-    def __init__(self, base: PackedWeights, base_id: int, device: torch.device):
+    def __init__(
+        self, base: PackedWeights, base_id: int, device: torch.device,
+        placement: GeneratorBase = "auto", cap_bytes: int = 0,
+    ):  # fmt: skip
+        """`placement`: lora.generator_base; `cap_bytes`: generator.gpu_memory_gib in bytes
+        (0: no cap), for "auto"."""
         self.base_id = base_id
         """The trainer's id of this base (`SendingSide.base_id`)."""
         self.device = torch.device(device)
-        self.host = HostCopy(base.flat_P, self.device)
-        """The whole base in host memory, for the run (`base` may be freed once this is
-        made: nothing here refers to it)."""
+        self.placement, self.cap_bytes = placement, cap_bytes
+        self.host: HostCopy | None = HostCopy(base.flat_P, self.device)
+        """The whole base in host memory (`base` may be freed once this is made: nothing
+        here refers to it); for the run, or with the base on the device until the first
+        merge (None after)."""
         host = PackedWeights(version=base.version, flat_P=self.host.flat_P, layout=base.layout)
         self.pending: dict[str, torch.Tensor] | None = unpack_weights(host)
         """Every base weight until the first merge hands the others to the engine; then
         None (only `adapted` is read from then on)."""
         self.adapted: dict[str, torch.Tensor] = {}
-        """The base of each adapted weight by its name: views of `host`."""
+        """The base of each adapted weight by its name: views of `host`, or of one buffer
+        on the device (`on_device`)."""
+        self.on_device: bool | None = None
+        """Whether `adapted` lives on the device (no copy per merge); None before the
+        first merge decides it."""
 
     @torch.no_grad()
     def merge(self, adapters: PackedWeights, dtype: torch.dtype) -> tuple[MergedWeights, bool]:
@@ -175,19 +210,53 @@ class LoRABase:
             for n in names
         }  # fmt: skip
         first = self.pending is not None
-        others = {}
+        others, host = {}, self.host
         if first:
             self.adapted = {w: self.pending[w] for w in pairs}
             others = {k: v for k, v in self.pending.items() if k not in pairs}
             self.pending = None
+            self.on_device = self._keep_on_device()
+            if self.on_device:  # this merge's state keeps the host copy until it is read
+                self.adapted, self.host = _on_device(self.adapted, self.device), None
         elif set(pairs) != set(self.adapted):
             raise RuntimeError("the adapted weights changed since the base was received")
-        merged = MergedWeights(self.host, self.adapted, pairs, scale, dtype, self.device, others)
+        merged = MergedWeights(host, self.adapted, pairs, scale, dtype, self.device, others)
         return merged, not first
 
+    def _keep_on_device(self) -> bool:
+        """`placement` for the adapted weights now in `adapted` (first merge)."""
+        if self.placement != "auto" or self.device.type != "cuda":
+            return self.placement != "host"
+        largest = max(t.numel() for t in self.adapted.values())
+        need = self.adapted_nbytes() + MERGE_BYTES_PER_ELEMENT * largest
+        free, _ = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_reserved(self.device)
+        return base_fits_on_device(need, free=free, cap=self.cap_bytes, peak=peak)
+
+    def adapted_nbytes(self) -> int:
+        """Bytes of the adapted weights' base: what a merge copies to the device when it is
+        kept in host memory, or what the device holds for the run when not."""
+        return sum(t.numel() * t.element_size() for t in self.adapted.values())
+
     def nbytes(self) -> int:
-        """Bytes of host memory this copy of the base holds for the run."""
-        return self.host.flat_P.numel() * self.host.flat_P.element_size()
+        """Bytes this copy of the base holds now: the host copy while there is one, plus
+        the adapted weights' base on the device when it is kept there."""
+        flat = self.host.flat_P if self.host is not None else None
+        host = 0 if flat is None else flat.numel() * flat.element_size()
+        return host + (self.adapted_nbytes() if self.on_device else 0)
+
+
+def _on_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """`tensors` (one dtype) copied into one buffer of their own on `device`, by name: a
+    single allocation, so the kept base leaves no fragments behind."""
+    (dtype,) = {t.dtype for t in tensors.values()}
+    flat = torch.empty(sum(t.numel() for t in tensors.values()), dtype=dtype, device=device)
+    out, start = {}, 0
+    for name, t in tensors.items():
+        out[name] = flat[start : start + t.numel()].view(t.shape)
+        out[name].copy_(t, non_blocking=True)  # from page-locked memory: queued, not waited
+        start += t.numel()
+    return out
 
 
 class ServedBase:

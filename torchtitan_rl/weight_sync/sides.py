@@ -27,6 +27,7 @@ import torch
 
 from torchtitan_rl.device import release_cached_memory
 from torchtitan_rl.generation.interface import AdapterUse
+from torchtitan_rl.models.lora import GeneratorBase
 from torchtitan_rl.weight_sync.lora_sync import NO_BASE, LoRABase, Payload, ServedBase
 from torchtitan_rl.weight_sync.packing import (
     Layout,
@@ -130,10 +131,15 @@ class ReceivingSide:
     base it merges adapters into (kept across syncs), or hands to an engine that serves
     adapters itself."""
 
-    def __init__(self, device: torch.device, adapter_use: AdapterUse = AdapterUse.MERGE):
-        """`adapter_use`: the engine's (`GenerationEngine.adapter_use`)."""
+    def __init__(
+        self, device: torch.device, adapter_use: AdapterUse = AdapterUse.MERGE,
+        base_placement: GeneratorBase = "auto", cap_bytes: int = 0,
+    ):  # fmt: skip
+        """`adapter_use`: the engine's (`GenerationEngine.adapter_use`); `base_placement`:
+        lora.generator_base, `cap_bytes`: generator.gpu_memory_gib in bytes (`LoRABase`)."""
         self.device = device
         self.adapter_use = AdapterUse(adapter_use)
+        self.base_placement, self.cap_bytes = base_placement, cap_bytes
         """How the engine takes [lora] versions; FULL: it holds no base, so every sync to
         it moves the merged weights (transport.py `_payload`)."""
         self.key: str | None = None
@@ -209,7 +215,9 @@ class ReceivingSide:
             if serve:
                 self.lora = ServedBase(packed, self.base_id)
             else:
-                self.lora = LoRABase(packed, self.base_id, self.device)
+                self.lora = LoRABase(
+                    packed, self.base_id, self.device, self.base_placement, self.cap_bytes
+                )
             return None
         assert self.lora is not None and self.lora.base_id == self.base_id
         return self.lora.adapters(packed) if serve else self.lora.merge(packed, dtype)
