@@ -101,9 +101,9 @@ class Burn2ms(Environment):
 class ThreadCalls:
     """The alternative: each env call on one of `n` threads (its own event loop there)."""
 
-    def __init__(self, n: int, rubric: Rubric, timeout_s: float):
+    def __init__(self, n: int, rubric: Rubric, renderer: Any, timeout_s: float):
         self._pool = concurrent.futures.ThreadPoolExecutor(n)
-        self._calls = LocalCalls(timeout_s, rubric)
+        self._calls = LocalCalls(timeout_s, rubric, renderer)
 
         self._local = threading.local()
 
@@ -116,11 +116,11 @@ class ThreadCalls:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._call_here, call)
 
-    async def init(self, env):
-        return await self._run(("init", env))
+    async def open(self, env):
+        return await self._run(("open", env))
 
-    async def step(self, env, text):
-        return await self._run(("step", env, text))
+    async def turn(self, env, turn):
+        return await self._run(("turn", env, turn))
 
     async def score(self, rollout):
         return await self._run(("score", rollout))
@@ -145,9 +145,11 @@ def run_row(kind: str, n: int, args: argparse.Namespace, iterations: int) -> dic
     rollout = RolloutConfig(
         group_size=args.group_size, prompts_per_step=args.groups, filter_zero_std_groups=False
     )
-    rollouter = Rollouter(Burn2ms(env_config, iterations), FakeRenderer(), env_config, rollout, 0)
+    renderer = FakeRenderer()
+    rollouter = Rollouter(Burn2ms(env_config, iterations), renderer, env_config, rollout, 0)
     if kind == "threads":
-        rollouter._calls = ThreadCalls(n, rollouter._rubric, env_config.step_timeout_s)
+        timeout_s = env_config.step_timeout_s
+        rollouter._calls = ThreadCalls(n, rollouter._rubric, renderer, timeout_s)
     ids = [*encode("ok"), 257]
 
     async def generate(prompt_ids, *, request_id, session_id=None, sampling=None):

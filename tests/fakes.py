@@ -1,7 +1,5 @@
-"""Test doubles: a byte-level chat renderer, a scripted GenerateFn, scripted envs.
-
-FakeRenderer tokens: bytes 0..255 are themselves, IM_START = 256, IM_END = 257 (the stop
-token). A rendered message is IM_START + "role\\ncontent" + IM_END + "\\n", like ChatML.
+"""Test doubles: a byte-level chat renderer (tests/fake_renderer.py), a scripted GenerateFn,
+scripted envs.
 """
 
 from __future__ import annotations
@@ -19,52 +17,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from fake_renderer import IM_END, IM_START, NEWLINE, FakeRenderer, encode  # noqa: F401
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 
 from torchtitan_rl.envs.base import EnvConfig, Environment, MessageEnv, Rubric, StepResult
 from torchtitan_rl.types import Completion, FinishReason, Message, Rollout, SamplingParams
-
-IM_START = 256
-IM_END = 257
-NEWLINE = ord("\n")
-
-
-def encode(text: str) -> list[int]:
-    return list(text.encode())
-
-
-class FakeRenderer:
-    """ChatML-shaped byte renderer with the Renderer interface."""
-
-    stop_token_ids: tuple[int, ...] = (IM_END,)
-
-    def _message(self, message: Message) -> list[int]:
-        return [IM_START, *encode(f"{message['role']}\n{message['content']}"), IM_END, NEWLINE]
-
-    def _header(self) -> list[int]:
-        return [IM_START, *encode("assistant\n")]
-
-    def render_prompt(self, messages: Sequence[Message]) -> np.ndarray:
-        ids = [t for m in messages for t in self._message(m)] + self._header()
-        return np.array(ids, dtype=np.int32)
-
-    def render_continuation(
-        self, messages: Sequence[Message], completion_ended_with_stop: bool
-    ) -> np.ndarray:
-        ids = [NEWLINE] if completion_ended_with_stop else [IM_END, NEWLINE]
-        ids += [t for m in messages for t in self._message(m)] + self._header()
-        return np.array(ids, dtype=np.int32)
-
-    def stop_sequence(self, text: str) -> tuple[int, ...]:
-        return tuple(encode(text))
-
-    def closed_by_stop_token(self, completion) -> bool:
-        ids = completion.token_ids_N
-        return len(ids) > 0 and int(ids[-1]) in self.stop_token_ids
-
-    def parse_completion(self, token_ids: np.ndarray) -> str:
-        ids = [int(t) for t in token_ids if int(t) < 256]
-        return bytes(ids).decode(errors="replace")
 
 
 def make_completion(

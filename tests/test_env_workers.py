@@ -1,8 +1,9 @@
-"""env.workers: environment steps and scoring in worker processes (rollout/env_workers.py).
+"""env.workers: environment turns (with their tokenizing) and scoring in worker processes
+(rollout/env_workers.py).
 
 Worker processes give the same rollouts as the event loop (tokens, rewards, error lines),
-keep the loop serving while a step holds its thread, time out and kill a stuck step without
-holding up the others, and leave nothing running after close."""
+tokenize each turn themselves, keep the loop serving while a step holds its thread, time out
+and kill a stuck step without holding up the others, and leave nothing running after close."""
 
 import asyncio
 import math
@@ -11,21 +12,24 @@ import os
 
 import numpy as np
 import pytest
-from fakes import FakeRenderer, ScriptedGenerate
+from fake_renderer import PickyRenderer, WhereRenderer
+from fakes import FakeRenderer, ScriptedGenerate, make_completion
 from pool_envs import PLANS, PlanEnvironment, WaitingEnvironment
 
 from torchtitan_rl.envs.alphabet_sort import AlphabetSort, gold_reply
 from torchtitan_rl.envs.base import EnvConfig
+from torchtitan_rl.models.renderer import Renderer
+from torchtitan_rl.models.tokenizer import Tokenizer
 from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
-from torchtitan_rl.types import RolloutStatus
+from torchtitan_rl.types import FinishReason, RolloutStatus
 
 SAME_EVERYWHERE = [p for p in PLANS if p not in ("step_blocks", "step_exits")]
 """Plans the event loop survives too (a blocking step would hold it, an exit would end it)."""
 
 
-def rollouter_for(environment, env_config, **rollout):
+def rollouter_for(environment, env_config, renderer=None, **rollout):
     config = RolloutConfig(**{"group_size": 2, "filter_zero_std_groups": False, **rollout})
-    return Rollouter(environment, FakeRenderer(), env_config, config, seed=3)
+    return Rollouter(environment, renderer or FakeRenderer(), env_config, config, seed=3)
 
 
 def collect(rollouter, generate, prompts):
@@ -76,6 +80,104 @@ def test_workers_leave_seeded_rollouts_unchanged(workers):
     assert sorted(map(bytes, ref_prompts)) == sorted(map(bytes, prompts))
 
 
+def test_turns_in_workers_give_the_loops_tokens_with_the_real_tokenizer():
+    """Replies closed by <|im_end|>, ended without it (a stop text), cut by max_tokens or not
+    answering; a token budget that ends some rollouts at their next prompt."""
+    renderer = Renderer(Tokenizer.from_file(None))
+    tokenizer = renderer.tokenizer
+
+    def run(workers):
+        env_config = EnvConfig(max_turns=3, max_rollout_tokens=150, workers=workers)
+        environment = AlphabetSort(env_config, seed=5)
+
+        def respond(call):
+            group = int(call.session_id.split("/group=")[1].split("/")[0])
+            turn = int(call.request_id.rsplit("=", 1)[1])
+            ids = tokenizer.encode(gold_reply(environment.train_sample(group), turn))
+            ids, finish = {
+                0: ([*ids, tokenizer.im_end_id], FinishReason.STOP),
+                1: (ids, FinishReason.STOP),
+                2: (ids[: len(ids) // 2], FinishReason.LENGTH),
+                3: ([*tokenizer.encode("?"), tokenizer.im_end_id], FinishReason.STOP),
+            }[call.sampling.seed % 4]
+            return make_completion(ids, request_id=call.request_id, finish_reason=finish)
+
+        generate = ScriptedGenerate(respond)
+        rollouter = rollouter_for(
+            environment, env_config, renderer, group_size=4, prompts_per_step=6, max_tokens=400
+        )
+        groups = collect(rollouter, generate, list(range(6)))
+        calls = {c.request_id: c.prompt_ids for c in generate.calls}
+        return [r for g in groups for r in g.rollouts], calls
+
+    (reference, ref_calls), (rollouts, calls) = run(0), run(2)
+    assert {r.status for r in rollouts} == {
+        RolloutStatus.COMPLETED, RolloutStatus.TRUNCATED_LENGTH, RolloutStatus.TRUNCATED_PROMPT
+    }  # fmt: skip
+    assert len({r.reward for r in rollouts}) > 3
+    for a, b in zip(reference, rollouts, strict=True):
+        assert (a.session_id, a.status, a.error, a.reward, a.reward_breakdown) == (
+            b.session_id, b.status, b.error, b.reward, b.reward_breakdown,
+        )  # fmt: skip
+        assert a.messages == b.messages and len(a.turns) == len(b.turns)
+        for s, t in zip(a.turns, b.turns, strict=True):
+            assert s.prompt_ids.dtype == t.prompt_ids.dtype == np.int32
+            assert np.array_equal(s.prompt_ids, t.prompt_ids)
+            assert (s.assistant_text, s.env_messages) == (t.assistant_text, t.env_messages)
+            assert s.reward_signals == t.reward_signals
+    assert ref_calls.keys() == calls.keys()
+    assert all(np.array_equal(ref_calls[k], calls[k]) for k in calls)
+
+
+def test_workers_tokenize_the_turns_and_the_loop_does_not(tmp_path):
+    def pids(workers):
+        folder = tmp_path / str(workers)
+        folder.mkdir()
+        env_config = EnvConfig(max_turns=4, max_rollout_tokens=1000, workers=workers)
+        renderer = WhereRenderer(str(folder))
+        environment = PlanEnvironment(env_config, seed=0)
+        rollouter = rollouter_for(environment, env_config, renderer, prompts_per_step=2)
+        groups = collect(rollouter, ScriptedGenerate(lambda call: "ok"), [0, 0])
+        assert all(r.status is RolloutStatus.COMPLETED for g in groups for r in g.rollouts)
+        return renderer.pids()
+
+    methods = {"render_prompt", "parse_completion", "render_continuation"}
+    on_loop, in_workers = pids(0), pids(2)
+    assert on_loop == {m: {os.getpid()} for m in methods}
+    assert in_workers.keys() == methods
+    assert all(os.getpid() not in p for p in in_workers.values())
+
+
+def test_an_unparsable_completion_and_the_turn_limit_end_rollouts_alike_in_workers():
+    def outcomes(workers):
+        env_config = EnvConfig(max_turns=2, max_rollout_tokens=1000, workers=workers)
+        environment = PlanEnvironment(env_config, seed=0)
+        rollouter = rollouter_for(environment, env_config, PickyRenderer(), prompts_per_step=1)
+
+        def respond(call):  # the second turn of rollout 1 cannot be parsed
+            bad = call.request_id.endswith("rollout=1/turn=1")
+            return make_completion([111, 107, 300 if bad else 257], request_id=call.request_id)
+
+        rollouts = collect(rollouter, ScriptedGenerate(respond), [0])[0].rollouts
+        return [(r.status, r.error, r.messages, len(r.turns), r.reward) for r in rollouts]
+
+    on_loop, in_workers = outcomes(0), outcomes(1)
+    assert in_workers == on_loop
+    assert [row[0] for row in in_workers] == [
+        RolloutStatus.TRUNCATED_TURNS, RolloutStatus.ERROR_PARSE,
+    ]  # fmt: skip
+    assert in_workers[1][1] == "ValueError: token 300 is not in the vocabulary"
+    assert [m["role"] for m in in_workers[1][2]] == ["user", "assistant", "user"]
+
+
+def test_an_unpicklable_renderer_is_one_line_naming_the_key():
+    env_config = EnvConfig(workers=2)
+    renderer = FakeRenderer()
+    renderer.hook = lambda: 0  # a lambda does not pickle
+    with pytest.raises(ValueError, match=r"^env.workers=2 tokenizes each turn in worker process"):
+        rollouter_for(PlanEnvironment(env_config, seed=0), env_config, renderer)
+
+
 def _outcomes(workers, plans):
     env_config = EnvConfig(
         max_turns=4, max_rollout_tokens=1000, step_timeout_s=2.0, workers=workers
@@ -87,7 +189,7 @@ def _outcomes(workers, plans):
     return {
         PLANS[g.sample_index]: [
             (r.status, r.error, (r.error_details or "").strip().split("\n")[-1], r.reward,
-             r.reward_breakdown, r.scorer_error, len(r.turns))
+             r.reward_breakdown, r.scorer_error, len(r.turns), r.messages)
             for r in g.rollouts
         ]
         for g in groups
@@ -241,5 +343,25 @@ def test_a_rubric_the_workers_cannot_load_stops_the_batch_with_one_line(monkeypa
     assert str(e.value) == (
         "env.workers=1: a worker process cannot load the rubric: "
         "ModuleNotFoundError: No module named 'ghost_rubric'"
+    )
+    assert multiprocessing.active_children() == []
+
+
+def test_a_renderer_the_workers_cannot_load_stops_the_batch_with_one_line(monkeypatch):
+    import sys
+    import types
+
+    ghost = types.ModuleType("ghost_renderer")  # importable here only, not in a new process
+    exec("from fake_renderer import FakeRenderer\nclass Ghost(FakeRenderer): pass", ghost.__dict__)
+    ghost.Ghost.__module__ = "ghost_renderer"
+    monkeypatch.setitem(sys.modules, "ghost_renderer", ghost)
+    env_config = EnvConfig(workers=1)
+    environment = PlanEnvironment(env_config, seed=0)
+    rollouter = rollouter_for(environment, env_config, ghost.Ghost(), prompts_per_step=1)
+    with pytest.raises(RuntimeError) as e:
+        collect(rollouter, ScriptedGenerate(lambda c: "ok"), [0])
+    assert str(e.value) == (
+        "env.workers=1: a worker process cannot load the renderer: "
+        "ModuleNotFoundError: No module named 'ghost_renderer'"
     )
     assert multiprocessing.active_children() == []

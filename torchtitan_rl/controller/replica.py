@@ -12,6 +12,7 @@ the call returns None and the Supervisor ends the run with one line naming the p
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -38,6 +39,18 @@ def _retrieve(future: asyncio.Future) -> None:
         future.exception()
 
 
+def _as_future(awaitable) -> asyncio.Future:
+    """A Monarch call's own asyncio future (`Future.as_asyncio`: no task wraps it); a task
+    for another awaitable (the fakes of tests)."""
+    as_asyncio = getattr(awaitable, "as_asyncio", None)
+    return as_asyncio() if as_asyncio is not None else asyncio.ensure_future(awaitable)
+
+
+def _wake(waiter: asyncio.Future, _call: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class ActorGenerateFn:
     """GenerateFn over a generator actor. Keeps the calls in flight, so a step that waits too
     long can say what the generator is doing, and a dead replica's calls can be failed."""
@@ -48,23 +61,23 @@ class ActorGenerateFn:
         self.failover = failover
         self.in_flight: dict[str, float] = {}
         """{request_id: when it was sent} of calls not answered yet."""
-        self._gone = asyncio.Event()
-        """Set once the replica's process is known dead: its waiting calls stop waiting."""
+        self.gone = False
+        """The replica's process is known dead: its waiting calls stop waiting."""
+        self._waiting: set[asyncio.Future] = set()
+        """One future per call waiting for its answer, set when the answer comes or the
+        replica is gone. (A task per call waiting on an Event, with asyncio.wait over both,
+        cost the controller's loop ~12% of its time at 768 rollouts per step.)"""
 
     async def __call__(self, prompt_ids, *, request_id, session_id=None, sampling=None):
         sampling = sampling or SamplingParams()
         self.in_flight[request_id] = time.perf_counter()
         try:
-            if self._gone.is_set():
+            if self.gone:
                 raise ReplicaDown(self.name)
-            call = asyncio.ensure_future(
+            call = _as_future(
                 self.generator.generate.call_one(prompt_ids, request_id, session_id, sampling)
             )
-            gone = asyncio.ensure_future(self._gone.wait())
-            try:
-                await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
+            await self._answer_or_death(call)
             if not call.done():
                 call.cancel()
                 call.add_done_callback(_retrieve)  # it may still fail, unheard
@@ -73,12 +86,24 @@ class ActorGenerateFn:
         except ReplicaDown:
             return self._died(request_id)
         except Exception as e:
-            if is_death(e) or self._gone.is_set():  # a late error of a process known dead
+            if is_death(e) or self.gone:  # a late error of a process known dead
                 return self._died(request_id)
             logger.warning("generate %s failed: %s", request_id, e)
             return None  # the call failed: the rollout becomes a generator error
         finally:
             self.in_flight.pop(request_id, None)
+
+    async def _answer_or_death(self, call: asyncio.Future) -> None:
+        """Return once `call` is done or the replica is gone, whichever comes first."""
+        if call.done():
+            return
+        waiter = call.get_loop().create_future()
+        call.add_done_callback(functools.partial(_wake, waiter))
+        self._waiting.add(waiter)
+        try:
+            await waiter
+        finally:
+            self._waiting.discard(waiter)
 
     def _died(self, request_id: str) -> None:
         if self.failover:
@@ -89,11 +114,14 @@ class ActorGenerateFn:
     def fail_in_flight(self) -> None:
         """The replica's process is gone: its calls in flight (and later ones) raise
         ReplicaDown (with failover) instead of waiting for Monarch to notice."""
-        self._gone.set()
+        self.gone = True
+        for waiter in self._waiting:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def activity(self) -> str:
         """One phrase: how many requests are in flight and the oldest of them."""
-        if self._gone.is_set():
+        if self.gone:
             return f"{self.name}: down"
         if not self.in_flight:
             return f"{self.name}: no request in flight"

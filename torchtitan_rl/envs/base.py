@@ -41,13 +41,16 @@ class EnvConfig:
     step_timeout_s: float = 30.0
     """Seconds one `MessageEnv.init` or `step` call may take before the rollout errors, > 0."""
     workers: int = 0
-    """Worker processes that run `MessageEnv.init` / `step` and the rubric's scoring, >= 0.
+    """Worker processes that run `MessageEnv.init` / `step` with the tokenizing of each turn
+    (decoding the completion, encoding the env's reply) and the rubric's scoring, >= 0.
     0: on the controller's event loop. N: in N processes, so pure-Python steps and scorers
-    that cost milliseconds (a reasoning-gym scorer) run in parallel and the loop stays free
-    to serve the generators; the rubric and each MessageEnv must pickle (each call carries
-    its env there and back). There, scoring is bounded by step_timeout_s too, and a call
-    past it kills its worker (replaced) and errors only its own rollout. An env that waits on
-    I/O with `await` gains nothing from it. Measured in docs/benchmarks.md (env steps)."""
+    that cost milliseconds (a reasoning-gym scorer) and the tokenizer's work of many
+    concurrent rollouts run in parallel and the loop stays free to serve the generators; the
+    rubric, the renderer and each MessageEnv must pickle (each call carries its env there
+    and back). There, a whole call (a turn with its tokenizing, a score) is bounded by
+    step_timeout_s, and a call past it kills its worker (replaced) and errors only its own
+    rollout. An env that waits on I/O with `await` gains nothing from it. Measured in
+    docs/benchmarks.md (env steps, the controller's turn rate)."""
     args: dict[str, Any] = field(default_factory=dict)
     """The environment's own settings (TOML table [env.args], overrides --env.args.key=v),
     checked against its `config_class`; unset keys keep that dataclass's defaults."""

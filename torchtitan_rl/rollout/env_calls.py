@@ -1,15 +1,20 @@
-"""Where a rollout's environment code runs: `MessageEnv.init` / `step` and rubric scoring.
+"""Where a rollout's environment code runs: `MessageEnv.init` / `step`, the tokenizing around
+them, and rubric scoring.
 
 Two implementations of one seam, chosen by `env.workers`:
 
     LocalCalls   (env.workers = 0)  on the controller's event loop, as the env's own coroutines
     EnvWorkers   (env.workers = N)  in N worker processes (rollout/env_workers.py)
 
-Both report the same outcomes, so a rollout errors the same way wherever its env ran:
+Three calls: `open` (init, its messages checked, the first prompt rendered), `turn` (a whole
+assistant turn, rollout/env_turn.py: the completion decoded, the env stepped, its reply
+encoded) and `score`. Both report the same outcomes, so a rollout errors the same way wherever
+its env ran:
 
     the call returned                 -> (env, value); a worker returns its copy of the env
     it took over env.step_timeout_s   -> TimeoutError (TokenEnv: ERROR_TIMEOUT)
     user code raised                  -> EnvCallFailed(error="ValueError: ...", details=traceback)
+    init gave malformed messages      -> EnvCallFailed(error="<Env>.init: message 0 is ...")
 """
 
 from __future__ import annotations
@@ -18,12 +23,19 @@ import asyncio
 import traceback
 from typing import TYPE_CHECKING, Any, Protocol
 
+from torchtitan_rl.rollout.env_turn import Turn, TurnResult, checked_messages, take_turn
+
 if TYPE_CHECKING:
+    import numpy as np
+
     from torchtitan_rl.envs.base import MessageEnv, Rubric, StepResult
+    from torchtitan_rl.models.renderer import Renderer
     from torchtitan_rl.types import Message, Rollout
 
 Score = tuple[float, dict[str, float], str | None]
 """What scoring gives: (weighted reward, {function name: value}, `rollout.scorer_error`)."""
+Opening = tuple["MessageEnv", list["Message"], "np.ndarray"]
+"""What `open` gives: (the env, its checked first messages, the first prompt's int32 ids)."""
 
 
 class EnvCallFailed(Exception):
@@ -45,9 +57,9 @@ class EnvCallFailed(Exception):
 class EnvCalls(Protocol):
     """Runs environment code for the Rollouter; see the module docstring for outcomes."""
 
-    async def init(self, env: MessageEnv) -> tuple[MessageEnv, list[Message]]: ...
+    async def open(self, env: MessageEnv) -> Opening: ...
 
-    async def step(self, env: MessageEnv, text: str) -> tuple[MessageEnv, StepResult]: ...
+    async def turn(self, env: MessageEnv, turn: Turn) -> tuple[MessageEnv, TurnResult]: ...
 
     async def score(self, rollout: Rollout) -> Score: ...
 
@@ -56,25 +68,42 @@ class EnvCalls(Protocol):
 
 
 class LocalCalls:
-    """Env coroutines awaited on the caller's event loop, each bounded by `timeout_s` (None:
-    unbounded); the rubric runs inline, unbounded (synchronous code on the loop cannot be
-    interrupted)."""
+    """Env coroutines awaited on the caller's event loop, each init and step bounded by
+    `timeout_s` (None: unbounded); the tokenizing and the rubric run inline, unbounded
+    (synchronous code on the loop cannot be interrupted). `renderer` is needed for `open`
+    and `turn`, `rubric` for `score`."""
 
-    def __init__(self, timeout_s: float | None, rubric: Rubric | None = None) -> None:
+    def __init__(
+        self,
+        timeout_s: float | None,
+        rubric: Rubric | None = None,
+        renderer: Renderer | None = None,
+    ) -> None:
         self._timeout_s = timeout_s
         self._rubric = rubric
+        self._renderer = renderer
 
-    async def init(self, env: MessageEnv) -> tuple[MessageEnv, list[Message]]:
+    async def open(self, env: MessageEnv) -> Opening:
+        assert self._renderer is not None, "LocalCalls was built without a renderer"
         try:
-            return env, await asyncio.wait_for(env.init(), timeout=self._timeout_s)
+            first = await asyncio.wait_for(env.init(), timeout=self._timeout_s)
         except TimeoutError:
             raise
         except Exception as e:  # a user env failing is recorded on the rollout, not fatal
             raise EnvCallFailed.from_current(e) from e
-
-    async def step(self, env: MessageEnv, text: str) -> tuple[MessageEnv, StepResult]:
         try:
-            return env, await asyncio.wait_for(env.step(text), timeout=self._timeout_s)
+            messages = checked_messages(first, f"{type(env).__name__}.init")
+        except ValueError as e:
+            raise EnvCallFailed(str(e)) from e
+        return env, messages, self._renderer.render_prompt(messages)
+
+    async def turn(self, env: MessageEnv, turn: Turn) -> tuple[MessageEnv, TurnResult]:
+        assert self._renderer is not None, "LocalCalls was built without a renderer"
+        return env, await take_turn(env, turn, self._renderer, self._step)
+
+    async def _step(self, env: MessageEnv, text: str) -> StepResult:
+        try:
+            return await asyncio.wait_for(env.step(text), timeout=self._timeout_s)
         except TimeoutError:
             raise
         except Exception as e:  # a user env failing is recorded on the rollout, not fatal
@@ -98,13 +127,13 @@ def score_with(rubric: Rubric, rollout: Rollout) -> Score:
 
 
 async def run_call(call: tuple[Any, ...], calls: LocalCalls) -> Any:
-    """One ("init", env) / ("step", env, text) / ("score", rollout) call on `calls`: how a
+    """One ("open", env) / ("turn", env, Turn) / ("score", rollout) call on `calls`: how a
     worker process runs what it is sent."""
     kind, *args = call
-    if kind == "init":
-        return await calls.init(*args)
-    if kind == "step":
-        return await calls.step(*args)
+    if kind == "open":
+        return await calls.open(*args)
+    if kind == "turn":
+        return await calls.turn(*args)
     assert kind == "score", kind
     return await calls.score(*args)
 

@@ -1,4 +1,8 @@
-"""EnvWorkers: `env.workers` processes that run environment steps and rubric scoring.
+"""EnvWorkers: `env.workers` processes that play environment turns and score rollouts.
+
+A turn is played whole in a worker (rollout/env_turn.py): the completion decoded, the env
+stepped, its reply encoded, with the worker's own copy of the renderer, so the controller's
+event loop only routes generate calls and keeps each rollout's prompt.
 
 Processes, not threads: the scorers that cost milliseconds (a reasoning-gym `score_answer`, a
 countdown solver) are pure Python and hold the GIL, so a thread pool leaves their throughput
@@ -8,14 +12,16 @@ thread can never be stopped, where a process is killed (docs/benchmarks.md, env 
 One Pipe per worker; the parent never blocks on one (the event loop reads a pipe when it is
 readable):
 
-    parent -> worker   ("init", env) | ("step", env, text) | ("score", rollout) | None (stop)
-    worker -> parent   ("ready",) once it loaded the rubric, or ("broken", line) if it cannot
+    parent -> worker   ("open", env) | ("turn", env, Turn) | ("score", rollout) | None (stop)
+    worker -> parent   ("ready",) once it loaded the rubric and the renderer, or ("broken",
+                       line) if it cannot
                        ("ok", value) | ("timeout",) | ("raised", error line, traceback)
 
 A worker runs one call at a time (the next waits in its pipe: IN_FLIGHT), and the env
 travels with each call and comes back stepped, so any worker can take any rollout's next
 turn. Calls wait in the parent's FIFO for a worker; `env.step_timeout_s` counts from when a
-worker starts the call, since waiting for one is not the env's doing. A call past it: its worker is killed and replaced and the call
+worker starts the call (the whole call: a turn's tokenizing with its step), since waiting
+for one is not the env's doing. A call past it: its worker is killed and replaced and the call
 raises TimeoutError, so a stuck step holds one worker for that long and no other call. A
 worker that dies during a call: the call raises EnvCallFailed and a new worker replaces it.
 """
@@ -37,14 +43,17 @@ from typing import TYPE_CHECKING, Any
 from torchtitan_rl.rollout.env_calls import (
     EnvCallFailed,
     LocalCalls,
+    Opening,
     Score,
     describe_exception,
     run_call,
 )
 
 if TYPE_CHECKING:
-    from torchtitan_rl.envs.base import MessageEnv, Rubric, StepResult
-    from torchtitan_rl.types import Message, Rollout
+    from torchtitan_rl.envs.base import MessageEnv, Rubric
+    from torchtitan_rl.models.renderer import Renderer
+    from torchtitan_rl.rollout.env_turn import Turn, TurnResult
+    from torchtitan_rl.types import Rollout
 
 logger = logging.getLogger(__name__)
 
@@ -70,28 +79,39 @@ class _Worker:
     ready: bool = False
     calls: deque[_Call] = field(default_factory=deque)
     """Sent and not answered, oldest (the one running) first; at most IN_FLIGHT."""
-    deadline: asyncio.TimerHandle | None = None
-    """The timeout of `calls[0]`, armed when it starts (when the call before it ended)."""
+    deadline: float | None = None
+    """When `calls[0]` times out (loop time), set when it starts (when the call before it
+    ended); None when the worker runs nothing."""
 
 
 class EnvWorkers:
     """`num_workers` spawned processes behind the `EnvCalls` interface (rollout/env_calls.py).
 
-    The rubric is pickled here (ValueError if it cannot be) and loaded once per worker;
-    workers start on the first call, on the event loop that makes it, which every later call
-    must share. `close` stops them all.
+    The rubric and the renderer are pickled here (ValueError if one cannot be) and loaded
+    once per worker; workers start on the first call, on the event loop that makes it, which
+    every later call must share. `close` stops them all.
     """
 
-    def __init__(self, num_workers: int, rubric: Rubric, *, timeout_s: float) -> None:
+    def __init__(
+        self, num_workers: int, rubric: Rubric, renderer: Renderer, *, timeout_s: float
+    ) -> None:
         assert num_workers >= 1, num_workers
         self._key = f"env.workers={num_workers}"
         try:
-            self._rubric_bytes = pickle.dumps(rubric)
+            rubric_bytes = pickle.dumps(rubric)
         except Exception as e:
             raise ValueError(
                 f"{self._key} runs the rubric in worker processes, but it cannot be pickled "
                 f"({describe_exception(e)}); use module-level reward functions (a lambda or "
                 "a local function does not pickle), or env.workers = 0"
+            ) from e
+        try:
+            self._setup_bytes = pickle.dumps((rubric_bytes, renderer))
+        except Exception as e:
+            raise ValueError(
+                f"{self._key} tokenizes each turn in worker processes, but the renderer "
+                f"({type(renderer).__name__}) cannot be pickled ({describe_exception(e)}); "
+                "or env.workers = 0"
             ) from e
         self._num_workers = num_workers
         self._timeout_s = timeout_s
@@ -101,14 +121,17 @@ class EnvWorkers:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started: asyncio.Future | None = None
         """Done once every first worker said ready (or one could not start)."""
+        self._watchdog: asyncio.TimerHandle | None = None
+        """One timer for every worker's deadline, at or before the earliest: a timer per call
+        (armed and cancelled at every call) cost the loop more than the call's IPC."""
         self._closed: str | None = None
         """Why calls are refused: closed, or no worker could start."""
 
-    async def init(self, env: MessageEnv) -> tuple[MessageEnv, list[Message]]:
-        return await self._run(("init", env))
+    async def open(self, env: MessageEnv) -> Opening:
+        return await self._run(("open", env))
 
-    async def step(self, env: MessageEnv, text: str) -> tuple[MessageEnv, StepResult]:
-        return await self._run(("step", env, text))
+    async def turn(self, env: MessageEnv, turn: Turn) -> tuple[MessageEnv, TurnResult]:
+        return await self._run(("turn", env, turn))
 
     async def score(self, rollout: Rollout) -> Score:
         return await self._run(("score", rollout))
@@ -131,7 +154,7 @@ class EnvWorkers:
         assert self._loop is not None
         parent, child = self._context.Pipe()
         process = self._context.Process(
-            target=serve, args=(child, self._rubric_bytes), name="env-worker", daemon=True
+            target=serve, args=(child, self._setup_bytes), name="env-worker", daemon=True
         )
         process.start()
         child.close()
@@ -153,10 +176,9 @@ class EnvWorkers:
             if call.future.done():  # its rollout was cancelled while it waited
                 continue
             try:
-                worker.conn.send(call.call)  # pickles whole before writing anything
-            except OSError:  # the worker died; its pipe's EOF replaces it
-                self._queue.appendleft(call)
-                return
+                # pickled whole before anything is written; not by Connection.send, whose
+                # ForkingPickler copies the copyreg table on every call
+                data = pickle.dumps(call.call, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as e:
                 what = "the rollout" if call.call[0] == "score" else type(call.call[1]).__name__
                 call.future.set_exception(
@@ -167,6 +189,11 @@ class EnvWorkers:
                     )
                 )
                 continue
+            try:
+                worker.conn.send_bytes(data)
+            except OSError:  # the worker died; its pipe's EOF replaces it
+                self._queue.appendleft(call)
+                return
             worker.calls.append(call)
             self._arm(worker)
             return
@@ -175,7 +202,25 @@ class EnvWorkers:
         """Start the timeout of the worker's running call, if it has one and it is not armed."""
         assert self._loop is not None
         if worker.calls and worker.deadline is None:
-            worker.deadline = self._loop.call_later(self._timeout_s, self._expire, worker)
+            worker.deadline = self._loop.time() + self._timeout_s
+            if self._watchdog is None:  # else it fires earlier, and then re-arms for this one
+                self._watch_at(worker.deadline)
+
+    def _watch_at(self, when: float) -> None:
+        assert self._loop is not None
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._watchdog = self._loop.call_at(when, self._watch, when)
+
+    def _watch(self, when: float) -> None:
+        """Expire every call due by `when`; watch for the next deadline, if a call runs."""
+        self._watchdog = None
+        for worker in list(self._workers):
+            if worker.deadline is not None and worker.deadline <= when:
+                self._expire(worker)
+        deadlines = [w.deadline for w in self._workers if w.deadline is not None]
+        if deadlines:
+            self._watch_at(min(deadlines))
 
     def _on_message(self, worker: _Worker) -> None:
         try:
@@ -193,8 +238,6 @@ class EnvWorkers:
             return
         else:
             call = worker.calls.popleft()
-            assert worker.deadline is not None
-            worker.deadline.cancel()
             worker.deadline = None
             self._arm(worker)
             if not call.future.done():
@@ -253,8 +296,7 @@ class EnvWorkers:
         """Ask the worker to exit, kill it after `wait_s` (at once when busy), reap it."""
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(worker.conn.fileno())
-        if worker.deadline is not None:
-            worker.deadline.cancel()
+        worker.deadline = None
         if wait_s > 0 and not worker.calls and worker.process.is_alive():
             try:
                 worker.conn.send(None)
@@ -270,6 +312,9 @@ class EnvWorkers:
         """Stop every worker (an idle one exits, a busy or stuck one is killed) and cancel
         the calls still waiting; nothing is left running. Later calls raise `why`."""
         self._closed = self._closed or why
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         workers, self._workers = self._workers, []
         for worker in workers:
             busy = bool(worker.calls)
@@ -291,15 +336,22 @@ def _settle(future: asyncio.Future, message: tuple[Any, ...]) -> None:
         future.set_exception(EnvCallFailed(message[1], message[2]))
 
 
-def serve(conn: Connection, rubric_bytes: bytes) -> None:
-    """A worker process: load the rubric, then answer calls until told to stop."""
+def serve(conn: Connection, setup_bytes: bytes) -> None:
+    """A worker process: load the rubric and the renderer, then answer calls until told to
+    stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
+    try:
+        rubric_bytes, renderer = pickle.loads(setup_bytes)
+    except Exception as e:
+        message = f"a worker process cannot load the renderer: {describe_exception(e)}"
+        conn.send(("broken", message))
+        return
     try:
         rubric = pickle.loads(rubric_bytes)
     except Exception as e:
         conn.send(("broken", f"a worker process cannot load the rubric: {describe_exception(e)}"))
         return
-    calls, loop = LocalCalls(None, rubric), asyncio.new_event_loop()
+    calls, loop = LocalCalls(None, rubric, renderer), asyncio.new_event_loop()
     conn.send(("ready",))
     while True:
         try:
@@ -316,10 +368,11 @@ def serve(conn: Connection, rubric_bytes: bytes) -> None:
             return
         outcome = _answer(loop, calls, call)
         try:
-            conn.send(outcome)
+            data = pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # the stepped env or its result no longer pickles
             message = f"the {call[0]} result cannot be sent back: {describe_exception(e)}"
-            conn.send(("raised", message, traceback.format_exc()))
+            data = pickle.dumps(("raised", message, traceback.format_exc()))
+        conn.send_bytes(data)
 
 
 def _answer(loop: asyncio.AbstractEventLoop, calls: LocalCalls, call: tuple) -> tuple:

@@ -209,12 +209,14 @@ class Rollouter:
         self._config = config
         self._seed = seed
         self._rubric = environment.rubric()
+        timeout_s = env_config.step_timeout_s
         self._calls: EnvCalls = (
-            EnvWorkers(env_config.workers, self._rubric, timeout_s=env_config.step_timeout_s)
+            EnvWorkers(env_config.workers, self._rubric, renderer, timeout_s=timeout_s)
             if env_config.workers
-            else LocalCalls(env_config.step_timeout_s, self._rubric)
+            else LocalCalls(timeout_s, self._rubric, renderer)
         )
-        """Where env steps and scoring run: this event loop, or env.workers processes."""
+        """Where env turns (with their tokenizing) and scoring run: this event loop, or
+        env.workers processes."""
         self.stop_sequences = tuple(renderer.stop_sequence(s) for s in config.stop)
         self._fewest_kept: int | None = None
         """The fewest groups a step kept after its refills, once a step fell short: the

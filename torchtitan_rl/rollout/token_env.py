@@ -9,8 +9,13 @@ where A0 are the completion ids exactly as sampled (never re-tokenized from text
 env's reply messages. So every turn's prompt starts with the previous turn's prompt plus its
 completion, which is what lets `rollout_to_episodes` pack a whole rollout into one sequence.
 
+The env and the tokenizing around it (parsing A0, rendering E0) run where the EnvCalls runs
+them (rollout/env_turn.py: on this event loop, or in an env worker process); TokenEnv keeps
+the prompt and the messages and decides how the rollout ended.
+
 Limits (from EnvConfig), checked in this order after each completion:
     generator gave None / ERROR / ABORT       -> ERROR_GENERATOR
+    the renderer cannot parse the completion  -> ERROR_PARSE
     completion finish_reason LENGTH           -> TRUNCATED_LENGTH (env.step is not called:
                                                  the message is cut; the rubric still scores
                                                  what exists)
@@ -30,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from torchtitan_rl.envs.base import StepResult
 from torchtitan_rl.rollout.env_calls import EnvCallFailed, EnvCalls, LocalCalls
+from torchtitan_rl.rollout.env_turn import Turn
 from torchtitan_rl.types import Completion, FinishReason, Message, RolloutStatus
 
 if TYPE_CHECKING:
@@ -81,19 +86,15 @@ class TokenEnv:
         config: EnvConfig,
         calls: EnvCalls | None = None,
     ) -> None:
-        """`calls` runs the env's init and step (default: on this event loop, bounded by
+        """`calls` runs the env's init and turns (default: on this event loop, bounded by
         `config.step_timeout_s`); with worker processes the env comes back as a new object."""
         self._env = env
-        self._calls: EnvCalls = calls or LocalCalls(config.step_timeout_s)
+        self._calls: EnvCalls = calls or LocalCalls(config.step_timeout_s, renderer=renderer)
         self._renderer = renderer
         self._config = config
         self._messages: list[Message] = []
         self._prompt_ids = np.zeros(0, dtype=np.int32)
         self._num_turns = 0
-
-    @property
-    def _name(self) -> str:
-        return type(self._env).__name__
 
     @property
     def messages(self) -> list[Message]:
@@ -107,16 +108,12 @@ class TokenEnv:
     async def reset(self) -> np.ndarray:
         """Start the episode; returns the first prompt ids. Raises TokenEnvError on env failure."""
         try:
-            self._env, first = await self._calls.init(self._env)
+            self._env, self._messages, prompt_ids = await self._calls.open(self._env)
         except TimeoutError as e:
             raise TokenEnvError(RolloutStatus.ERROR_TIMEOUT, self._timeout_message("init")) from e
         except EnvCallFailed as e:  # a user env failing is recorded on the rollout, not fatal
             raise TokenEnvError(RolloutStatus.ERROR_ENV, e.error, e.details) from e
-        try:
-            self._messages = _checked_messages(first, f"{self._name}.init")
-        except ValueError as e:
-            raise TokenEnvError(RolloutStatus.ERROR_ENV, str(e)) from e
-        self._prompt_ids = np.asarray(self._renderer.render_prompt(self._messages), np.int32)
+        self._prompt_ids = np.asarray(prompt_ids, np.int32)
         self._num_turns = 0
         return self._prompt_ids
 
@@ -130,88 +127,60 @@ class TokenEnv:
                 RolloutStatus.ERROR_GENERATOR,
                 error=f"completion {completion.finish_reason.value}: {reason}",
             )
+        turn = Turn(
+            completion_ids=completion.token_ids_N,
+            cut=completion.finish_reason == FinishReason.LENGTH,
+            closed=self._renderer.closed_by_stop_token(completion),
+            index=self._num_turns,
+            last=self._num_turns + 1 >= self._config.max_turns,
+        )
         try:
-            text = self._renderer.parse_completion(completion.token_ids_N)
-        except ValueError as e:
-            return _ended(RolloutStatus.ERROR_PARSE, error=_describe(e))
-        self._num_turns += 1
-        self._messages.append({"role": "assistant", "content": text})
-        if completion.finish_reason == FinishReason.LENGTH:
-            return _ended(RolloutStatus.TRUNCATED_LENGTH, assistant_text=text)
-
-        try:
-            self._env, result = await self._calls.step(self._env, text)
+            self._env, result = await self._calls.turn(self._env, turn)
         except TimeoutError:
-            return _ended(
-                RolloutStatus.ERROR_TIMEOUT,
-                assistant_text=text,
-                error=self._timeout_message("step"),
-            )
+            return self._failed(turn, RolloutStatus.ERROR_TIMEOUT, self._timeout_message("step"))
         except EnvCallFailed as e:  # a user env failing is recorded on the rollout, not fatal
-            return _ended(
-                RolloutStatus.ERROR_ENV,
-                assistant_text=text,
-                error=e.error,
-                error_details=e.details,
-            )
-
-        where = f"{self._name}.step (turn {self._num_turns - 1})"
-        try:
-            if not isinstance(result, StepResult):
-                raise ValueError(f"{where} returned {result!r}; it must return a StepResult")
-            reply = _checked_messages(result.messages, where)
-        except ValueError as e:
-            return _ended(RolloutStatus.ERROR_ENV, assistant_text=text, error=str(e))
-        self._messages.extend(reply)
-        signals = dict(result.reward_signals)
-        turn = dict(assistant_text=text, env_messages=reply, reward_signals=signals)
-        if result.done:
-            return _ended(RolloutStatus.COMPLETED, **turn)
-        if self._num_turns >= self._config.max_turns:
-            return _ended(RolloutStatus.TRUNCATED_TURNS, **turn)
-
-        ended_with_stop = self._renderer.closed_by_stop_token(completion)
-        continuation = self._renderer.render_continuation(reply, ended_with_stop)
+            return self._failed(turn, RolloutStatus.ERROR_ENV, e.error, e.details)
+        if result.text is None:  # it did not parse: not a turn
+            return _ended(RolloutStatus.ERROR_PARSE, error=result.error)
+        self._add_turn(result.text, result.reply)
+        fields = dict(
+            assistant_text=result.text,
+            env_messages=result.reply,
+            reward_signals=result.reward_signals,
+            error=result.error,
+        )
+        if result.status is not None:
+            return _ended(result.status, **fields)
+        assert result.continuation is not None
         next_prompt = np.concatenate(
             [
                 self._prompt_ids,
                 np.asarray(completion.token_ids_N, np.int32),
-                np.asarray(continuation, np.int32),
+                np.asarray(result.continuation, np.int32),
             ]
         )
         if next_prompt.shape[0] >= self._config.max_rollout_tokens:
-            return _ended(RolloutStatus.TRUNCATED_PROMPT, **turn)
+            return _ended(RolloutStatus.TRUNCATED_PROMPT, **fields)
         self._prompt_ids = next_prompt
-        return TokenStep(next_prompt_ids=next_prompt, done=False, status=None, **turn)
+        return TokenStep(next_prompt_ids=next_prompt, done=False, status=None, **fields)
+
+    def _failed(
+        self, turn: Turn, status: RolloutStatus, error: str, details: str | None = None
+    ) -> TokenStep:
+        """The env's step failed (raised, ran past its timeout, its worker died). A failed
+        call brings nothing back, so the completion's text is parsed again here."""
+        text = self._renderer.parse_completion(turn.completion_ids)
+        self._add_turn(text, [])
+        return _ended(status, assistant_text=text, error=error, error_details=details)
+
+    def _add_turn(self, text: str, reply: list[Message]) -> None:
+        self._num_turns += 1
+        self._messages.append({"role": "assistant", "content": text})
+        self._messages.extend(reply)
 
     def _timeout_message(self, what: str) -> str:
         return f"env.{what} exceeded step_timeout_s={self._config.step_timeout_s}"
 
 
-def _checked_messages(messages: Any, where: str) -> list[Message]:
-    """`messages` as a list, or ValueError naming `where` and the first bad message: each is
-    a dict with str "role" and "content" that UTF-8 can encode (a lone surrogate cannot)."""
-    if not isinstance(messages, list | tuple):
-        raise ValueError(f"{where} gave {type(messages).__name__} messages; expected a list")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not all(
-            isinstance(message.get(k), str) for k in ("role", "content")
-        ):
-            raise ValueError(f"{where}: message {i} is {message!r}; expected str role and content")
-        for key in ("role", "content"):
-            try:
-                message[key].encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(
-                    f"{where}: message {i} {key} has a lone surrogate "
-                    f"{message[key][e.start]!r} at index {e.start}, which UTF-8 cannot encode"
-                ) from e
-    return list(messages)
-
-
 def _ended(status: RolloutStatus, **fields: Any) -> TokenStep:
     return TokenStep(next_prompt_ids=None, done=True, status=status, **fields)
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"

@@ -1,0 +1,101 @@
+"""FakeRenderer, the byte-level chat renderer of the tests, in a module of its own: env
+worker processes unpickle it (env.workers > 0), and this module imports neither torch nor the
+model, so a worker loads it in a moment.
+
+Tokens: bytes 0..255 are themselves, IM_START = 256, IM_END = 257 (the stop token). A
+rendered message is IM_START + "role\\ncontent" + IM_END + "\\n", like ChatML.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from torchtitan_rl.types import Message
+
+IM_START = 256
+IM_END = 257
+NEWLINE = ord("\n")
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode())
+
+
+class FakeRenderer:
+    """ChatML-shaped byte renderer with the Renderer interface."""
+
+    stop_token_ids: tuple[int, ...] = (IM_END,)
+
+    def _message(self, message: Message) -> list[int]:
+        return [IM_START, *encode(f"{message['role']}\n{message['content']}"), IM_END, NEWLINE]
+
+    def _header(self) -> list[int]:
+        return [IM_START, *encode("assistant\n")]
+
+    def render_prompt(self, messages: Sequence[Message]) -> np.ndarray:
+        ids = [t for m in messages for t in self._message(m)] + self._header()
+        return np.array(ids, dtype=np.int32)
+
+    def render_continuation(
+        self, messages: Sequence[Message], completion_ended_with_stop: bool
+    ) -> np.ndarray:
+        ids = [NEWLINE] if completion_ended_with_stop else [IM_END, NEWLINE]
+        ids += [t for m in messages for t in self._message(m)] + self._header()
+        return np.array(ids, dtype=np.int32)
+
+    def stop_sequence(self, text: str) -> tuple[int, ...]:
+        return tuple(encode(text))
+
+    def closed_by_stop_token(self, completion) -> bool:
+        ids = completion.token_ids_N
+        return len(ids) > 0 and int(ids[-1]) in self.stop_token_ids
+
+    def parse_completion(self, token_ids: np.ndarray) -> str:
+        ids = [int(t) for t in token_ids if int(t) < 256]
+        return bytes(ids).decode(errors="replace")
+
+
+class PickyRenderer(FakeRenderer):
+    """A FakeRenderer that cannot parse a completion holding a token over IM_END."""
+
+    def parse_completion(self, token_ids: np.ndarray) -> str:
+        if any(int(t) > IM_END for t in token_ids):
+            raise ValueError(f"token {max(int(t) for t in token_ids)} is not in the vocabulary")
+        return super().parse_completion(token_ids)
+
+
+class WhereRenderer(FakeRenderer):
+    """A FakeRenderer that says in which process it tokenized: each call of a method touches
+    the file `{folder}/{method}-{pid}`."""
+
+    def __init__(self, folder: str):
+        self.folder = Path(folder)
+
+    def _mark(self, method: str) -> None:
+        (self.folder / f"{method}-{os.getpid()}").touch()
+
+    def render_prompt(self, messages: Sequence[Message]) -> np.ndarray:
+        self._mark("render_prompt")
+        return super().render_prompt(messages)
+
+    def render_continuation(
+        self, messages: Sequence[Message], completion_ended_with_stop: bool
+    ) -> np.ndarray:
+        self._mark("render_continuation")
+        return super().render_continuation(messages, completion_ended_with_stop)
+
+    def parse_completion(self, token_ids: np.ndarray) -> str:
+        self._mark("parse_completion")
+        return super().parse_completion(token_ids)
+
+    def pids(self) -> dict[str, set[int]]:
+        """{method: the pids of the processes it ran in}."""
+        found: dict[str, set[int]] = {}
+        for path in self.folder.iterdir():
+            method, pid = path.name.rsplit("-", 1)
+            found.setdefault(method, set()).add(int(pid))
+        return found
