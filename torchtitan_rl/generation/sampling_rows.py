@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from torchtitan_rl.generation.keyed_random import host_seed_keys, host_uniform
-from torchtitan_rl.generation.sampling import RowPlan, as_float32
+from torchtitan_rl.generation.sampling import RowPlan
 from torchtitan_rl.generation.scheduler import Request
 
 FIELDS = (
@@ -141,10 +141,12 @@ class SamplingRows:
         """Writes the device's fields of the N rows (draws included) to the host buffer and
         rebuilds the plan and the device views."""
         host, dev = self._host, self._dev
-        # to fp32, rounded as torch.tensor rounds; the plan reads what the device will hold
-        temperature_N = host["temperature"][:N] = as_float32(self._temperature_M[:N])
-        top_p_N = host["top_p"][:N] = as_float32(self._top_p_M[:N])
-        top_k_N = host["top_k"][:N] = self._top_k_M[:N]
+        with np.errstate(over="ignore"):  # to fp32 as torch.tensor rounds (1e300 -> inf)
+            host["temperature"][:N] = self._temperature_M[:N]
+            host["top_p"][:N] = self._top_p_M[:N]
+        host["top_k"][:N] = self._top_k_M[:N]
+        # the plan reads what the device will hold (a temperature rounded to 0 is greedy)
+        temperature_N, top_p_N, top_k_N = (host[f][:N] for f in ("temperature", "top_p", "top_k"))
         sampled_S = np.flatnonzero(temperature_N > 0)
         cut_k_N, cut_p_N = top_k_N > 0, top_p_N < 1
         filtered_F = sampled_S[(cut_k_N | cut_p_N)[sampled_S]]
