@@ -183,3 +183,18 @@ def test_a_numpy_integer_seed_keys_the_draws_as_the_same_python_integer():
     for a, b in zip(outs, ref):
         assert a.error is None
         np.testing.assert_array_equal(a.token_ids_N, b.token_ids_N)
+
+
+def test_a_temperature_float32_holds_as_zero_samples_greedily_and_the_engine_runs_on():
+    """1e-300 is a valid temperature (> 0) that the sampler's float32 tensors hold as 0:
+    the row is greedy, as those tensors say (not sampled at temperature 0, whose scaled
+    logits are not numbers and once failed every request in the engine)."""
+    good = replace(samplings(1)[0], max_tokens=6, stop_token_ids=())
+    tiny, greedy = replace(good, temperature=1e-300, seed=3), replace(good, temperature=0.0)
+    prompts = [prompt(4), prompt(5, offset=1)]
+    outs = run(generate(make_engine(look_ahead=False), prompts, [good, tiny]))
+    ref = run(generate(make_engine(look_ahead=False), prompts, [good, greedy]))
+    for a, b in zip(outs, ref):
+        assert a.error is None and len(a.token_ids_N) == 6
+        np.testing.assert_array_equal(a.token_ids_N, b.token_ids_N)
+        np.testing.assert_array_equal(a.logprobs_N, b.logprobs_N)

@@ -197,6 +197,9 @@ def test_sampled_frequencies_match_the_distribution_chi_square():
         ([0.8, 1.0, 1.2], [0.9, 0.5, 0.7], [0, 0, 0]),  # every row cuts by top-p alone
         ([0.8, 1.0, 1.2], [1.0, 1.0, 1.0], [3, 10, 1]),  # every row cuts by top-k alone
         ([1.0, 0.9, 0.0, 1.1], [0.6, 1.0, 1.0, 0.8], [0, 0, 7, 0]),  # top-p rows and others
+        # temperatures float32 holds as 0 are greedy, as the tensors say
+        ([1e-300, 1.0, 0.7], [1.0, 1.0, 0.9], [0, 0, 0]),
+        ([1e-46, 0.0, 1.0], [1.0, 0.5, 1.0], [0, 0, 3]),
     ],
 )
 def test_host_plan_gives_the_same_tokens_logprobs_and_supports(temps, top_ps, top_ks):
@@ -211,7 +214,7 @@ def test_host_plan_gives_the_same_tokens_logprobs_and_supports(temps, top_ps, to
         top_k_N=torch.tensor(top_ks),
     )
     plan = RowPlan.of(temps, top_ps, top_ks)
-    assert plan.sampled_rows == [i for i, t in enumerate(temps) if t > 0]
+    assert plan.sampled_rows == rows["temperature_N"].gt(0).nonzero().squeeze(1).tolist()
     for position in range(5):
         keyed = draws(*range(n), position=position)
         planned = sample_tokens(logits_NV, **rows, **keyed, return_support=True, plan=plan)

@@ -32,12 +32,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from torchtitan_rl.device import to_device_async
 from torchtitan_rl.generation import invariant_kernels
 from torchtitan_rl.generation.keyed_random import keyed_uniform
 from torchtitan_rl.generation.sampling_kernel import sample_full_vocab
+
+
+def as_float32(values) -> np.ndarray:
+    """`values` rounded to float32 as `torch.tensor` rounds them (1e-300 -> 0, 1e300 -> inf,
+    without numpy's overflow warning)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(values, dtype=np.float64).astype(np.float32)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,7 +55,8 @@ class RowPlan:
     what no row needs (an index where every row is in, a top-k or top-p cut no row makes)."""
 
     sampled_rows: list[int]
-    """Rows with temperature > 0."""
+    """Rows with temperature > 0 (as the float32 `temperature_N` holds it: a temperature
+    that rounds to 0 there is greedy, as the sampler without a plan finds it)."""
     filtered_rows: list[int]
     """Sampled rows with top_k > 0 or top_p < 1."""
     top_k: bool = True
@@ -62,6 +71,9 @@ class RowPlan:
 
     @classmethod
     def of(cls, temperatures: Sequence[float], top_ps: Sequence[float], top_ks: Sequence[int]):
+        """The plan of rows whose settings go to the sampler as float32 tensors (what
+        `torch.tensor` makes of Python floats), compared as those tensors hold them."""
+        temperatures, top_ps = as_float32(temperatures).tolist(), as_float32(top_ps).tolist()
         sampled = [i for i, t in enumerate(temperatures) if t > 0]
         filtered = [i for i in sampled if top_ks[i] > 0 or top_ps[i] < 1]
         return cls(

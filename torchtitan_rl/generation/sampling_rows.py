@@ -12,7 +12,8 @@ and the plan is rebuilt.
 
 Where they live, allocated once for `max_rows` rows (more on demand):
 - on the host, numpy arrays of each row's settings, seed key and position (the settings
-  in float64, so the plan compares the values the request holds, as `RowPlan.of` does);
+  as the request holds them; the plan compares them as the device's float32 fields hold
+  them, as `RowPlan.of` does: a temperature that rounds to 0 there is greedy);
 - the fields the device reads, in one host buffer (pinned on CUDA) copied to one device
   buffer with a single host-to-device copy per step: its first field (the draws) when the
   rows are the same, all of it when they changed. On CPU the device buffer is the host one.
@@ -140,14 +141,12 @@ class SamplingRows:
         """Writes the device's fields of the N rows (draws included) to the host buffer and
         rebuilds the plan and the device views."""
         host, dev = self._host, self._dev
-        temperature_N, top_p_N, top_k_N = (
-            self._temperature_M[:N],
-            self._top_p_M[:N],
-            self._top_k_M[:N],
-        )
-        host["temperature"][:N] = temperature_N  # to fp32, rounded as torch.tensor rounds
-        host["top_p"][:N] = top_p_N
-        host["top_k"][:N] = top_k_N
+        with np.errstate(over="ignore"):  # to fp32 as torch.tensor rounds (1e300 -> inf)
+            host["temperature"][:N] = self._temperature_M[:N]
+            host["top_p"][:N] = self._top_p_M[:N]
+        host["top_k"][:N] = self._top_k_M[:N]
+        # the plan reads what the device will hold (a temperature rounded to 0 is greedy)
+        temperature_N, top_p_N, top_k_N = (host[f][:N] for f in ("temperature", "top_p", "top_k"))
         sampled_S = np.flatnonzero(temperature_N > 0)
         cut_k_N, cut_p_N = top_k_N > 0, top_p_N < 1
         filtered_F = sampled_S[(cut_k_N | cut_p_N)[sampled_S]]
