@@ -95,6 +95,18 @@ def test_sampling_params_reject_a_non_finite_or_negative_temperature(temperature
         SamplingParams(temperature=temperature).validate()
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 5e-5])
+def test_sampling_params_reject_a_temperature_too_small_to_divide_by(temperature):
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or >= 0.0001"):
+        SamplingParams(temperature=temperature).validate()
+    SamplingParams(temperature=1e-4).validate()
+
+
+def test_sampling_params_bound_top_k():
+    with pytest.raises(ValueError, match="top_k must be in"):
+        SamplingParams(top_k=2**63).validate()
+
+
 def test_check_range_describes_open_and_closed_bounds():
     with pytest.raises(ValueError, match=r"x must be in \(0, 1\], got 0"):
         check_range("x", 0, gt=0, le=1)

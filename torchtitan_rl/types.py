@@ -44,6 +44,12 @@ class RolloutStatus(StrEnum):
         return self.value.startswith("truncated")
 
 
+MIN_TEMPERATURE = 1e-4
+"""The smallest temperature above 0 (greedy): past it a logit divided by it can overflow."""
+MAX_TOP_K = 2**31 - 1
+"""top_k's bound (the sampler holds it in int32-sized tensors; any vocabulary is smaller)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
     """Per-request sampling. temperature == 0 means greedy."""
@@ -68,8 +74,12 @@ class SamplingParams:
 
     def validate(self) -> None:
         check_range("temperature", self.temperature, ge=0)
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / t would overflow float32
+            raise ValueError(
+                f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}"
+            )
         check_range("top_p", self.top_p, gt=0, le=1)
-        check_range("top_k", self.top_k, ge=0)
+        check_range("top_k", self.top_k, ge=0, le=MAX_TOP_K)
         check_range("max_tokens", self.max_tokens, ge=1)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer):
             raise ValueError(
