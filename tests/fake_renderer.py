@@ -99,3 +99,29 @@ class WhereRenderer(FakeRenderer):
             method, pid = path.name.rsplit("-", 1)
             found.setdefault(method, set()).add(int(pid))
         return found
+
+
+class DiesParsingRenderer(PickyRenderer):
+    """A PickyRenderer whose process dies, in an env worker, parsing what it cannot parse
+    (as a worker killed mid-parse); in the process that made it, it raises as PickyRenderer."""
+
+    def __init__(self):
+        self.home_pid = os.getpid()
+
+    def parse_completion(self, token_ids: np.ndarray) -> str:
+        if os.getpid() != self.home_pid and any(int(t) > IM_END for t in token_ids):
+            os._exit(3)
+        return super().parse_completion(token_ids)
+
+
+class BreaksLaterRenderer(FakeRenderer):
+    """A FakeRenderer that a worker process cannot load once the file `{folder}/broken`
+    exists: the workers started before load it, their replacements after cannot."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def __setstate__(self, state: dict) -> None:
+        if (Path(state["folder"]) / "broken").exists():
+            raise RuntimeError("its files are gone")
+        self.__dict__.update(state)

@@ -133,3 +133,63 @@ class WaitingEnvironment(Environment):
 
     def rubric(self) -> Rubric:
         return Rubric([("saw_flag", saw_flag, 1.0)])
+
+
+class BigStateEnv(MessageEnv):
+    """One turn; carries `size` bytes of state (a long document), there and back at each call."""
+
+    def __init__(self, size: int):
+        self.document = "x" * size
+
+    async def init(self) -> list[Message]:
+        return [{"role": "user", "content": "read"}]
+
+    async def step(self, assistant_message: str) -> StepResult:
+        return StepResult(messages=[], done=True)
+
+
+def one(rollout: Rollout) -> float:
+    return 1.0
+
+
+class BigStateEnvironment(Environment):
+    """Samples are {"size": int}."""
+
+    def train_sample(self, index: int) -> dict[str, Any]:
+        return {"size": 1_000_000}
+
+    def validation_samples(self, n: int) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def make_env(self, sample: dict[str, Any]) -> MessageEnv:
+        return BigStateEnv(sample["size"])
+
+    def rubric(self) -> Rubric:
+        return Rubric([("one", one, 1.0)])
+
+
+class BreakingEnv(MessageEnv):
+    """One turn whose step waits for the file `started` (another env's step is running),
+    writes the file `broken`, then ends its process."""
+
+    def __init__(self, folder: str):
+        self.folder = Path(folder)
+
+    async def init(self) -> list[Message]:
+        return [{"role": "user", "content": "break"}]
+
+    async def step(self, assistant_message: str) -> StepResult:
+        while not (self.folder / "started").exists():
+            time.sleep(0.001)
+        (self.folder / "broken").touch()
+        os._exit(3)
+
+
+class RelayEnvironment(WaitingEnvironment):
+    """Samples are {"folder": str, "wait_s": float} (a WaitingEnv) or {"folder": str,
+    "breaks": True} (a BreakingEnv)."""
+
+    def make_env(self, sample: dict[str, Any]) -> MessageEnv:
+        if sample.get("breaks"):
+            return BreakingEnv(sample["folder"])
+        return super().make_env(sample)

@@ -9,12 +9,21 @@ import asyncio
 import math
 import multiprocessing
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
-from fake_renderer import PickyRenderer, WhereRenderer
+from fake_renderer import BreaksLaterRenderer, DiesParsingRenderer, PickyRenderer, WhereRenderer
 from fakes import FakeRenderer, ScriptedGenerate, make_completion
-from pool_envs import PLANS, PlanEnvironment, WaitingEnvironment
+from pool_envs import (
+    PLANS,
+    BigStateEnvironment,
+    PlanEnvironment,
+    RelayEnvironment,
+    WaitingEnvironment,
+)
 
 from torchtitan_rl.envs.alphabet_sort import AlphabetSort, gold_reply
 from torchtitan_rl.envs.base import EnvConfig
@@ -363,5 +372,76 @@ def test_a_renderer_the_workers_cannot_load_stops_the_batch_with_one_line(monkey
     assert str(e.value) == (
         "env.workers=1: a worker process cannot load the renderer: "
         "ModuleNotFoundError: No module named 'ghost_renderer'"
+    )
+    assert multiprocessing.active_children() == []
+
+
+def play_envs_bigger_than_the_pipe():
+    """Two rollouts on one worker, each env 1 MB: more than the pipe holds, either way."""
+    env_config = EnvConfig(workers=1)
+    rollouter = rollouter_for(BigStateEnvironment(env_config, seed=0), env_config)
+    groups = collect(rollouter, ScriptedGenerate(lambda c: "ok"), [0])
+    print(*(r.status.value for r in groups[0].rollouts))
+
+
+def test_calls_bigger_than_the_pipe_wait_for_an_idle_worker_instead_of_deadlocking():
+    """A call sent behind a running one is read after it: one that does not fit in the pipe
+    would hold the event loop in its send while the worker's answer (as big) waits to be
+    read, forever. Played in a child process, which a deadlock cannot take with it."""
+    tests = Path(__file__).parent
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_env_workers as t; "
+    code += "t.play_envs_bigger_than_the_pipe()"
+    env = {**os.environ, "PYTHONPATH": str(tests.parent)}
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", code, str(tests)],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail("the event loop and the env worker each waited for the other to read")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["completed", "completed"]
+
+
+def test_a_worker_that_dies_parsing_errors_its_rollout_as_the_loop_does():
+    """The worker dies (as if killed) parsing a completion that cannot be parsed: the
+    rollout ends ERROR_PARSE, as on the event loop, and the batch goes on."""
+
+    def outcomes(workers, renderer):
+        env_config = EnvConfig(max_turns=2, max_rollout_tokens=1000, workers=workers)
+        environment = PlanEnvironment(env_config, seed=0)
+        rollouter = rollouter_for(environment, env_config, renderer, prompts_per_step=1)
+
+        def respond(call):
+            bad = call.request_id.endswith("rollout=1/turn=0")
+            return make_completion([111, 300 if bad else 107, 257], request_id=call.request_id)
+
+        rollouts = collect(rollouter, ScriptedGenerate(respond), [0])[0].rollouts
+        return [(r.status, r.error, r.messages, len(r.turns), r.reward) for r in rollouts]
+
+    on_loop, in_workers = outcomes(0, PickyRenderer()), outcomes(1, DiesParsingRenderer())
+    assert in_workers == on_loop
+    assert [row[:2] for row in in_workers] == [
+        (RolloutStatus.TRUNCATED_TURNS, None),
+        (RolloutStatus.ERROR_PARSE, "ValueError: token 300 is not in the vocabulary"),
+    ]
+    assert multiprocessing.active_children() == []
+
+
+def test_a_replacement_that_cannot_start_fails_the_running_calls_with_its_line(tmp_path):
+    """One worker's step ends its process while another's runs; its replacement cannot load
+    the renderer: every call, the running one included, fails with that line (not a bare
+    CancelledError), and nothing is left running."""
+    env_config = EnvConfig(step_timeout_s=300.0, workers=2)
+    environment = RelayEnvironment(env_config)
+    folder = str(tmp_path)
+    samples = {0: {"folder": folder, "wait_s": 600.0}, 1: {"folder": folder, "breaks": True}}
+    environment.train_sample = samples.__getitem__
+    renderer = BreaksLaterRenderer(folder)
+    rollouter = rollouter_for(environment, env_config, renderer, group_size=1)
+    with pytest.raises(RuntimeError) as e:
+        collect(rollouter, ScriptedGenerate(lambda c: "ok"), [0, 1])
+    assert str(e.value) == (
+        "env.workers=2: a worker process cannot load the renderer: RuntimeError: its files are gone"
     )
     assert multiprocessing.active_children() == []

@@ -102,6 +102,10 @@ class ActorGenerateFn:
         self._waiting.add(waiter)
         try:
             await waiter
+        except asyncio.CancelledError:  # the caller is gone (its rollout was cancelled):
+            call.cancel()  # nobody reads the answer; a failure is not logged as unread
+            call.add_done_callback(_retrieve)
+            raise
         finally:
             self._waiting.discard(waiter)
 

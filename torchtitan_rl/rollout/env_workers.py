@@ -17,7 +17,7 @@ readable):
                        line) if it cannot
                        ("ok", value) | ("timeout",) | ("raised", error line, traceback)
 
-A worker runs one call at a time (the next waits in its pipe: IN_FLIGHT), and the env
+A worker runs one call at a time (the next, if small, waits in its pipe: IN_FLIGHT), and the env
 travels with each call and comes back stepped, so any worker can take any rollout's next
 turn. Calls wait in the parent's FIFO for a worker; `env.step_timeout_s` counts from when a
 worker starts the call (the whole call: a turn's tokenizing with its step), since waiting
@@ -62,6 +62,11 @@ IN_FLIGHT = 2
 without a round trip through the parent (a round trip is ~150 us on an idle CPU and a
 scheduler slice on a busy one). It starts only when the one before it ends, and goes back to
 the queue if that one is killed."""
+PIPELINED_MAX_BYTES = 64 * 1024
+"""The largest call sent behind a running one (IN_FLIGHT): the worker reads it only after the
+running call, so it must fit in the pipe's buffer (~200 KiB on Linux). A larger one would
+block the event loop in its send until then, and forever if the worker's answer does not fit
+either (each waits on the other to read); it waits in the queue for an idle worker instead."""
 STOP_WAIT_S = 2.0
 """How long `close` waits for an idle worker to exit by itself before killing it."""
 
@@ -70,6 +75,8 @@ STOP_WAIT_S = 2.0
 class _Call:
     call: tuple[Any, ...]
     future: asyncio.Future
+    data: bytes | None = None
+    """The call pickled, once it was (it may wait again in the queue, or be sent again)."""
 
 
 @dataclass(slots=True)
@@ -178,7 +185,8 @@ class EnvWorkers:
             try:
                 # pickled whole before anything is written; not by Connection.send, whose
                 # ForkingPickler copies the copyreg table on every call
-                data = pickle.dumps(call.call, protocol=pickle.HIGHEST_PROTOCOL)
+                if call.data is None:
+                    call.data = pickle.dumps(call.call, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as e:
                 what = "the rollout" if call.call[0] == "score" else type(call.call[1]).__name__
                 call.future.set_exception(
@@ -189,8 +197,11 @@ class EnvWorkers:
                     )
                 )
                 continue
+            if worker.calls and len(call.data) > PIPELINED_MAX_BYTES:
+                self._queue.appendleft(call)  # for an idle worker, which reads it at once
+                return
             try:
-                worker.conn.send_bytes(data)
+                worker.conn.send_bytes(call.data)
             except OSError:  # the worker died; its pipe's EOF replaces it
                 self._queue.appendleft(call)
                 return
@@ -284,9 +295,11 @@ class EnvWorkers:
         self._workers[self._workers.index(worker)] = self._spawn()
 
     def _break(self, why: str) -> None:
-        """No worker can start: every waiting call and the start itself fail with `why`."""
+        """No worker can start: the start itself and every call, waiting or running (on the
+        workers still up), fail with `why`."""
         error = RuntimeError(why)
-        for future in [self._started, *(c.future for c in self._queue)]:
+        running = [c.future for w in self._workers for c in w.calls]
+        for future in [self._started, *(c.future for c in self._queue), *running]:
             if future is not None and not future.done():
                 future.set_exception(error)
         self._queue.clear()

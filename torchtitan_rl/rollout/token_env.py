@@ -168,8 +168,13 @@ class TokenEnv:
         self, turn: Turn, status: RolloutStatus, error: str, details: str | None = None
     ) -> TokenStep:
         """The env's step failed (raised, ran past its timeout, its worker died). A failed
-        call brings nothing back, so the completion's text is parsed again here."""
-        text = self._renderer.parse_completion(turn.completion_ids)
+        call brings nothing back, so the completion's text is parsed again here: a worker
+        that died or timed out parsing it may leave one that does not parse, which ends the
+        rollout as it would have on the event loop."""
+        try:
+            text = self._renderer.parse_completion(turn.completion_ids)
+        except ValueError as e:
+            return _ended(RolloutStatus.ERROR_PARSE, error=f"{type(e).__name__}: {e}")
         self._add_turn(text, [])
         return _ended(status, assistant_text=text, error=error, error_details=details)
 
