@@ -53,6 +53,20 @@ Response = Completion | str | None
 """What a script returns: a Completion, text (sampled as text + IM_END, STOP), or None."""
 
 
+class MonarchLikeCall:
+    """What a Monarch endpoint's `call_one` gives: awaitable, and observed through
+    `as_asyncio()` (a fake generator actor's answer)."""
+
+    def __init__(self, future: asyncio.Future):
+        self.future = future
+
+    def as_asyncio(self) -> asyncio.Future:
+        return self.future
+
+    def __await__(self):
+        return self.future.__await__()
+
+
 @dataclass(slots=True)
 class GenerateCall:
     prompt_ids: np.ndarray

@@ -6,22 +6,10 @@ import gc
 
 import numpy as np
 import pytest
+from fakes import MonarchLikeCall
 
 from torchtitan_rl.controller.replica import ActorGenerateFn
 from torchtitan_rl.rollout.router import ReplicaDown
-
-
-class MonarchLikeCall:
-    """What `endpoint.call_one` gives: awaitable, and observed through `as_asyncio()`."""
-
-    def __init__(self, future: asyncio.Future):
-        self.future = future
-
-    def as_asyncio(self) -> asyncio.Future:
-        return self.future
-
-    def __await__(self):
-        return self.future.__await__()
 
 
 class Actor:

@@ -121,15 +121,7 @@ def test_rows_joining_leaving_and_moving_sample_as_rows_built_from_scratch(devic
         ):  # on the device when the sampler selects them: some rows left out
             assert index is None if len(chosen) == N else index.tolist() == chosen
         assert rows.return_support == want["return_support"]
-        got = sample_tokens(
-            logits_NV[:N],
-            temperature_N=rows.temperature_N,
-            top_p_N=rows.top_p_N,
-            top_k_N=rows.top_k_N,
-            uniform_N=rows.uniform_N,
-            return_support=rows.return_support,
-            plan=rows.plan,
-        )
+        got = sample_tokens(logits_NV[:N], **rows.sampler_args())
         ref = sample_tokens(logits_NV[:N], **want)
         assert torch.equal(got.token_ids_N, ref.token_ids_N)
         assert torch.equal(got.logprobs_N, ref.logprobs_N)

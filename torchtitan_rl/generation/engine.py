@@ -281,14 +281,7 @@ class Engine(EngineFront):
         rows = self._rows
         rows.update(requests)
         out = sample_tokens(
-            logits_NV,
-            temperature_N=rows.temperature_N,
-            top_p_N=rows.top_p_N,
-            top_k_N=rows.top_k_N,
-            uniform_N=rows.uniform_N,
-            return_support=rows.return_support,
-            plan=rows.plan,
-            invariant=self._runner.batch_invariant,
+            logits_NV, **rows.sampler_args(), invariant=self._runner.batch_invariant
         )
         if not cuda:
             return _Sampled(out, out.token_ids_N, out.logprobs_N, None, rows.return_support)

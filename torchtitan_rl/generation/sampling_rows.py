@@ -116,6 +116,17 @@ class SamplingRows:
         self._stage(N)
         self._copy(self._host_B.numel())
 
+    def sampler_args(self) -> dict:
+        """`sample_tokens`' per-row arguments for the step `update` set up."""
+        return dict(
+            temperature_N=self.temperature_N,
+            top_p_N=self.top_p_N,
+            top_k_N=self.top_k_N,
+            uniform_N=self.uniform_N,
+            return_support=self.return_support,
+            plan=self.plan,
+        )
+
     def _gather(self, requests: list[Request]) -> None:
         """Rows kept from the last step take their old row's record, their positions moved
         on by one (each recorded a token since); joined rows read theirs from their
