@@ -24,6 +24,7 @@ decides which requests run under which adapter (generation/vllm_engine.py).
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -56,6 +57,34 @@ VLLM_MODULES = {
 `packed_modules_mapping` fuses q/k/v and gate/up; a fused module takes an adapter on any
 of its parts, the others adding zero)."""
 SHM = "/dev/shm"
+
+
+SHM_MIN_FREE_BYTES = 1 << 30
+"""/dev/shm is used only with this much free (a container's is often 64 MB)."""
+
+
+def adapter_root(parent: str | None = None) -> str:
+    """A new folder for one engine's adapters, named for this process: in /dev/shm when it
+    is writable and has SHM_MIN_FREE_BYTES free, else the temp folder (`parent` overrides).
+    First deletes the folders of processes that died without closing their engine."""
+    if parent is None:
+        usable = os.access(SHM, os.W_OK) and shutil.disk_usage(SHM).free >= SHM_MIN_FREE_BYTES
+        parent = SHM if usable else tempfile.gettempdir()
+    for path in glob.glob(os.path.join(parent, "vllm_lora_*_*")):
+        pid = os.path.basename(path).split("_")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"vllm_lora_{os.getpid()}_", dir=parent)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def lora_engine_args(lora: LoRAConfig, engine_args_fields: set[str]) -> dict:
@@ -118,8 +147,7 @@ class AdapterSet:
         self._request_class = request_class
         self._base = base
         self._dtype = dtype
-        parent = SHM if os.access(SHM, os.W_OK) else None
-        self.root = tempfile.mkdtemp(prefix="vllm_lora_", dir=parent)
+        self.root = adapter_root()
         """This engine's adapter folders (deleted at `close`)."""
         self.current: Adapter | None = None
         """What requests admitted now are served with (None: the weights alone)."""
