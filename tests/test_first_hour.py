@@ -154,6 +154,29 @@ def test_resume_lists_what_changed_and_refuses_another_model(tmp_path):
         Controller(lora, use_tqdm=False).check_resume()
 
 
+@pytest.mark.parametrize(
+    "change, refused",
+    [
+        ("--lora.alpha=16", True),
+        ('--lora.target_modules=["q_proj"]', True),
+        ("--lora.dropout=0.1", False),
+        ("--lora.vllm_sync=adapters", False),
+        ("--lora.generator_base=host", False),
+    ],
+)
+def test_a_lora_run_resumes_with_another_delivery_but_not_other_adapters(tmp_path, change, refused):
+    """A LoRA checkpoint's adapters have their rank, scale and targets; how generators get
+    them (vllm_sync, generator_base) and the training-time dropout shape no weight."""
+    _run_with_checkpoint(tmp_path, 3, "--lora.rank=8")
+    config = load_config(TINY, [f"--job.output_dir={tmp_path}", "--lora.rank=8", change])
+    key = change[2:].split("=")[0]
+    if refused:
+        with pytest.raises(ValueError, match=rf"cannot resume .* changed {key}: .*: the "):
+            Controller(config, use_tqdm=False).check_resume()
+    else:
+        assert [c.split(":")[0] for c in Controller(config, use_tqdm=False).check_resume()] == [key]
+
+
 @pytest.mark.usefixtures("package_logger_restored")
 def test_another_environment_does_not_resume_this_ones_run(tmp_path, monkeypatch, capsys):
     """`--env.name=countdown` where the default job ran would train Countdown on the

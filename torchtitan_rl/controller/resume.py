@@ -27,11 +27,15 @@ TensorBoard events (TensorBoard would draw both runs as one curve), rollout reco
 errors.log (both keyed by step)."""
 RESUME_FROZEN = {
     "model.": "the checkpoint holds another model",
-    "lora.": "the checkpoint's adapters have another shape, or the run trains other weights",
+    **dict.fromkeys(
+        ("lora.rank", "lora.alpha", "lora.target_modules"),
+        "the checkpoint's adapters have another shape or scale, or the run trains other weights",
+    ),
     "env.name": "the checkpoint's policy, prompt position and curves belong to another task",
 }
 """Config keys (or key prefixes) a resume cannot change, each with why: the weights have that
-model's shape; a policy trained on one environment would go on to train on another in the
+model's shape (and the adapters theirs: lora.dropout, vllm_sync and generator_base may change,
+they shape no weight); a policy trained on one environment would go on to train on another in the
 same run and TensorBoard curves, its warm start skipped."""
 
 
