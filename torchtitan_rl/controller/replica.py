@@ -46,7 +46,7 @@ def _as_future(awaitable) -> asyncio.Future:
     return as_asyncio() if as_asyncio is not None else asyncio.ensure_future(awaitable)
 
 
-def _wake(waiter: asyncio.Future, _call: asyncio.Future) -> None:
+def _wake(waiter: asyncio.Future, _call: asyncio.Future | None) -> None:
     if not waiter.done():
         waiter.set_result(None)
 
@@ -120,8 +120,7 @@ class ActorGenerateFn:
         ReplicaDown (with failover) instead of waiting for Monarch to notice."""
         self.gone = True
         for waiter in self._waiting:
-            if not waiter.done():
-                waiter.set_result(None)
+            _wake(waiter, None)
 
     def activity(self) -> str:
         """One phrase: how many requests are in flight and the oldest of them."""
