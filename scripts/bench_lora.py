@@ -5,6 +5,7 @@ memory and their sum, seconds per RL step, seconds and bytes per weight sync.
     python scripts/bench_lora.py --shapes 0.6B 4B --memory-cap-gib 74.5
     python scripts/bench_lora.py --shapes 4B --modes lora [--steps 10] [--out DIR]
     python scripts/bench_lora.py --shapes 0.6B --generator-bases device host [--compile]
+    python scripts/bench_lora.py --shapes 8B --split                  # 2 GPUs, max_staleness 1
     python scripts/bench_lora.py --smoke                              # tiny shape, CPU
 
 Each (shape, mode) is one `./run_train.sh` run, one after another on the same GPU:
@@ -25,7 +26,9 @@ Shape settings (`SHAPE_ARGS`): the 8B shape's KV cache holds what this job runs 
 
 `--generator-bases`: a LoRA run per `lora.generator_base` given (default: auto only), each
 a row "lora/<base>"; `--compile`: `training.compile = true` in every run (the blocks,
-adapters included, compiled by Inductor; default: eager, as the default config).
+adapters included, compiled by Inductor; default: eager, as the default config); `--split`:
+the trainer on GPU 0 and the generator on GPU 1 (`parallelism.placement = "split"`), one
+step in flight (`rollout.max_staleness = 1`), so generation overlaps training.
 
 Per run: exit code, the trainer's and the generator's peak reserved GPU memory at the end
 (processes.json) and their sum, mean perf/step_seconds and perf/sync_seconds over the steps
@@ -72,6 +75,10 @@ SHAPE_ARGS = {"8B": ("--generator.num_blocks=512",)}
 MODES = {"8B": ("lora",)}
 """Modes a shape runs by default (else full and lora)."""
 LORA_RANK = 8
+
+
+SPLIT = ("--parallelism.placement=split", "--rollout.max_staleness=1")
+"""--split: trainer and generator on GPUs of their own, one step in flight."""
 
 
 def sizes(shape: str, rank: int) -> dict[str, int]:
@@ -170,6 +177,7 @@ def main() -> None:
     p.add_argument("--generator-bases", nargs="+", default=["auto"],
                    choices=["auto", "device", "host"], help="lora.generator_base of LoRA runs")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="training.compile = true")
+    p.add_argument("--split", action="store_true", help="trainer GPU + generator GPU, N = 1")
     p.add_argument("--smoke", action="store_true", help="the tiny shape on CPU, 3 steps")
     a = p.parse_args()
     if a.smoke:
@@ -180,6 +188,8 @@ def main() -> None:
     extra = caps(a.memory_cap_gib, a.trainer_share)
     if a.compile:
         extra = (*extra, "--training.compile=true")
+    if a.split:
+        extra = (*extra, *SPLIT)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -187,10 +197,11 @@ def main() -> None:
         modes = a.modes or MODES.get(shape, ("full", "lora"))
         modes = [m for mode in modes for m in _expand(mode, a.generator_bases)]
         for mode in modes:
-            rows.append({**run(shape, mode, extra, a.steps, out), "cap_gib": a.memory_cap_gib})
+            row = {**run(shape, mode, extra, a.steps, out), "cap_gib": a.memory_cap_gib}
+            rows.append({**row, "layout": "1+1" if a.split else "shared"})
             print(json.dumps(rows[-1]), flush=True)
             (out / "lora.json").write_text(json.dumps(rows, indent=1))
-    keys = ["shape", "mode", "rc", "cap_gib", "trainer_peak_gib", "generator_peak_gib",
+    keys = ["shape", "mode", "layout", "rc", "cap_gib", "trainer_peak_gib", "generator_peak_gib",
             "sum_peak_gib", "step_s", "sync_s", "open_s", "sync_mb", "h2d_mb", "wall_s"]  # fmt: skip
     print(" | ".join(keys))
     for r in rows:
