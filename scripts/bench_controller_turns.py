@@ -15,7 +15,9 @@ policy's kind of answer: the environment scores it with difflib, as in a real ru
 generator actor (Monarch's message hand-over), which a real run adds per turn.
 
 `--replica` calls the fake through `ActorGenerateFn` (controller/replica.py) over a fake
-actor, so the rows include that dispatch's own cost (Monarch's message still not).
+actor, so the rows include that dispatch's own cost and Monarch's message build: the call's
+arguments pickled and the answer loaded with Monarch's own pickle (the answer's pickling,
+the generator's side, is left out of the controller's CPU).
 
 Rows: each `env.workers` value and rollout count, best of `--repeats` batches (by wall time)
 after a warm-up batch, all on one event loop (worker processes serve one). "Controller CPU"
@@ -115,15 +117,19 @@ def run_row(args: argparse.Namespace, rollouts: int, workers: int) -> dict:
         await asyncio.sleep(0)  # a hand-back: the reply arrives on a later loop turn
         return reply(request_id)
 
+    actor = None
     if args.replica:
         from torchtitan_rl.controller.replica import ActorGenerateFn
 
-        generate = ActorGenerateFn(_FakeActor(reply))
+        actor = _FakeActor(reply)
+        generate = ActorGenerateFn(actor)
 
     async def batch(step: int) -> tuple[float, float, int, int]:
         start, cpu = time.perf_counter(), time.process_time()
+        answered = actor.generator_cpu_s if actor else 0.0
         got = await rollouter.collect_batch(step, 0, generate)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        cpu -= (actor.generator_cpu_s if actor else 0.0) - answered  # the generator's pickling
         done = [r for g in got.groups for r in g.rollouts]
         assert not any(r.status.is_error() for r in done), done[0].error
         return seconds, cpu, len(done), sum(len(r.turns) for r in done)
@@ -159,10 +165,21 @@ class _FakeActor:
     def __init__(self, reply):
         self.reply = reply
         self.generate = self  # actor.generate.call_one(...)
+        self.generator_cpu_s = 0.0
 
     def call_one(self, prompt_ids, request_id, session_id, sampling):
+        # Monarch's message both ways, as a real actor call pays it: the arguments pickled
+        # here (the controller's side), the answer loaded here
+        from monarch._rust_bindings.monarch_hyperactor.pickle import PicklingState, pickle
+
+        pickle(((prompt_ids, request_id, session_id, sampling), {}))
+        reply = self.reply(request_id)
+        cpu = time.process_time()  # the generator's side: not the controller's CPU
+        buffer = pickle(reply).buffer()
+        self.generator_cpu_s += time.process_time() - cpu
+        answer = PicklingState(buffer).unpickle()
         future = asyncio.get_running_loop().create_future()
-        future.get_loop().call_soon(future.set_result, self.reply(request_id))
+        future.get_loop().call_soon(future.set_result, answer)
         from fakes import MonarchLikeCall  # tests/ is on the path (run_row)
 
         return MonarchLikeCall(future)

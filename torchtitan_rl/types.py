@@ -7,7 +7,7 @@ turn, L = tokens of one episode, R = rows of a batch, S = sequence length of a r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
@@ -72,6 +72,9 @@ class SamplingParams:
     return_support: bool = False
     """Record the token ids kept by top-p/top-k at each position (for mask replay)."""
 
+    def __reduce__(self) -> tuple:  # see _sampling
+        return _sampling, tuple(getattr(self, name) for name in _SAMPLING_FIELDS)
+
     def validate(self) -> None:
         check_range("temperature", self.temperature, ge=0)
         if 0 < self.temperature < MIN_TEMPERATURE:  # logits / t would overflow float32
@@ -85,6 +88,9 @@ class SamplingParams:
             raise ValueError(
                 f"seed must be an integer, got {type(self.seed).__name__} {self.seed!r}"
             )
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,6 +118,58 @@ class Completion:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids_N.shape[0])
+
+    def __reduce__(self) -> tuple:  # see _completion
+        arrays = (self.token_ids_N, self.logprobs_N, self.support_ids, self.support_offsets)
+        rest = (self.request_id, self.finish_reason.value, self.policy_version_min,
+                self.policy_version_max, self.error, self.metrics)  # fmt: skip
+        return _completion, (*(_wire(a) for a in arrays), *rest)
+
+
+# A Completion crosses Monarch once per turn and SamplingParams with each generate call, on
+# the controller's one thread: pickled as tuples with their arrays as bytes (not numpy's own
+# reduce per array, nor a dataclass's state), a turn's message costs the controller 18 us
+# instead of 34-39, and the generator 10-12 instead of 36-45 (docs/benchmarks.md, "The
+# generate call's message").
+
+
+def _wire(a: np.ndarray | None) -> tuple[str, bytes] | None:
+    return None if a is None else (a.dtype.str, np.ascontiguousarray(a).tobytes())
+
+
+def _unwire(w: tuple[str, bytes] | None) -> np.ndarray | None:
+    return None if w is None else np.frombuffer(bytearray(w[1]), np.dtype(w[0]))
+
+
+def _completion(tokens, logprobs, support_ids, support_offsets, *rest) -> Completion:
+    request_id, finish, version_min, version_max, error, metrics = rest
+    return Completion(
+        request_id=request_id,
+        token_ids_N=_unwire(tokens),
+        logprobs_N=_unwire(logprobs),
+        finish_reason=FinishReason(finish),
+        policy_version_min=version_min,
+        policy_version_max=version_max,
+        error=error,
+        support_ids=_unwire(support_ids),
+        support_offsets=_unwire(support_offsets),
+        metrics=metrics,
+    )
+
+
+def _sampling(*values: Any) -> SamplingParams:
+    return SamplingParams(**dict(zip(_SAMPLING_FIELDS, values, strict=True)))
+
+
+def ids_to_wire(ids: np.ndarray) -> bytes:
+    """Token ids as the bytes of an int32 array: how a generate call sends its prompt (a
+    numpy array's own pickle costs ~25 us more through Monarch)."""
+    return np.ascontiguousarray(ids, dtype=np.int32).tobytes()
+
+
+def ids_from_wire(ids: np.ndarray | bytes) -> np.ndarray:
+    """The int32 ids `ids_to_wire` sent (an array is returned as is), writable."""
+    return np.frombuffer(bytearray(ids), np.int32) if isinstance(ids, bytes) else ids
 
 
 class GenerateFn(Protocol):

@@ -22,7 +22,7 @@ from torchtitan_rl.generation.interface import (
 )
 from torchtitan_rl.models.lora import LoRAConfig
 from torchtitan_rl.models.qwen3 import ModelConfig
-from torchtitan_rl.types import Completion, SamplingParams
+from torchtitan_rl.types import Completion, SamplingParams, ids_from_wire
 from torchtitan_rl.weight_sync.lora_sync import Payload
 from torchtitan_rl.weight_sync.packing import visible_cuda_uuids
 from torchtitan_rl.weight_sync.sides import ReceivingSide
@@ -74,14 +74,18 @@ class GeneratorActor(Actor):
     @concurrent_endpoint
     async def generate(
         self,
-        prompt_ids: np.ndarray,
+        prompt_ids: np.ndarray | bytes,
         request_id: str,
         session_id: str | None,
         sampling: SamplingParams,
     ) -> Completion:
+        """One turn; `prompt_ids` int32 ids, or their bytes (`types.ids_to_wire`)."""
         try:
             return await self.engine.generate(
-                prompt_ids, request_id=request_id, session_id=session_id, sampling=sampling
+                ids_from_wire(prompt_ids),
+                request_id=request_id,
+                session_id=session_id,
+                sampling=sampling,
             )
         except Exception as e:  # an escaping error would kill the actor: report it per request
             return error_completion(request_id, f"{type(e).__name__}: {e}")

@@ -22,7 +22,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ActorError
 
 from torchtitan_rl.rollout.router import ReplicaDown
-from torchtitan_rl.types import SamplingParams
+from torchtitan_rl.types import SamplingParams, ids_to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,9 @@ class ActorGenerateFn:
             if self.gone:
                 raise ReplicaDown(self.name)
             call = _as_future(
-                self.generator.generate.call_one(prompt_ids, request_id, session_id, sampling)
+                self.generator.generate.call_one(
+                    ids_to_wire(prompt_ids), request_id, session_id, sampling
+                )
             )
             await self._answer_or_death(call)
             if not call.done():
