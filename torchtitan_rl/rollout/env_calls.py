@@ -12,9 +12,15 @@ encoded) and `score`. Both report the same outcomes, so a rollout errors the sam
 its env ran:
 
     the call returned                 -> (env, value); a worker returns its copy of the env
-    it took over env.step_timeout_s   -> TimeoutError (TokenEnv: ERROR_TIMEOUT)
+    env.step took over step_timeout_s -> a TurnResult, status ERROR_TIMEOUT, with the parsed
+                                         text and "env.step exceeded env.step_timeout_s=30.0"
+    env.init took over it             -> TimeoutError("env.init exceeded env.step_timeout_s=30.0")
+    a worker was killed, stuck in a   -> TimeoutError(a line naming what ran, rollout/
+      call past step_timeout_s + grace   env_workers.py); nothing was parsed on this loop
     user code raised                  -> EnvCallFailed(error="ValueError: ...", details=traceback)
     init gave malformed messages      -> EnvCallFailed(error="<Env>.init: message 0 is ...")
+
+A TimeoutError's message is the rollout's error line (TokenEnv records it as it is).
 """
 
 from __future__ import annotations
@@ -88,7 +94,7 @@ class LocalCalls:
         try:
             first = await asyncio.wait_for(env.init(), timeout=self._timeout_s)
         except TimeoutError:
-            raise
+            raise TimeoutError(self._past("env.init")) from None
         except Exception as e:  # a user env failing is recorded on the rollout, not fatal
             raise EnvCallFailed.from_current(e) from e
         try:
@@ -105,9 +111,12 @@ class LocalCalls:
         try:
             return await asyncio.wait_for(env.step(text), timeout=self._timeout_s)
         except TimeoutError:
-            raise
+            raise TimeoutError(self._past("env.step")) from None
         except Exception as e:  # a user env failing is recorded on the rollout, not fatal
             raise EnvCallFailed.from_current(e) from e
+
+    def _past(self, what: str) -> str:
+        return f"{what} exceeded env.step_timeout_s={self._timeout_s}"
 
     async def score(self, rollout: Rollout) -> Score:
         assert self._rubric is not None, "LocalCalls was built without a rubric"
