@@ -227,6 +227,8 @@ def test_failures_become_the_same_error_rollouts_in_workers():
         "reward_raises": RolloutStatus.ERROR_REWARD,
         "reward_wrong_answer": RolloutStatus.COMPLETED,
         "reward_nan": RolloutStatus.ERROR_REWARD,
+        "step_raises_timeout": RolloutStatus.ERROR_ENV,
+        "step_hangs_holding_a_task": RolloutStatus.ERROR_TIMEOUT,
     }
     assert in_workers["ok"][0][3] == pytest.approx(0.3)
     assert in_workers["step_raises"][0][1] == "ValueError: cannot parse 'ok'"
@@ -234,6 +236,14 @@ def test_failures_become_the_same_error_rollouts_in_workers():
     assert in_workers["reward_raises"][0][1] == "ZeroDivisionError: a bug in the reward"
     assert in_workers["reward_wrong_answer"][0][5].startswith("reward: ValueError")
     assert in_workers["step_hangs"][0][1] == "env.step exceeded env.step_timeout_s=2.0"
+    # the env's own TimeoutError is its failure; a timed-out step's env is not sent back
+    assert (
+        in_workers["step_raises_timeout"][0][1:3]
+        == ("TimeoutError: the sandbox's own deadline",) * 2
+    )
+    assert (
+        in_workers["step_hangs_holding_a_task"][0][1] == "env.step exceeded env.step_timeout_s=2.0"
+    )
 
 
 @pytest.mark.parametrize("workers", [1, 2])  # 1: calls sent behind a stuck one run after it

@@ -124,6 +124,32 @@ def test_slow_env_step_is_error_timeout():
     assert result.assistant_text == "A"
 
 
+def test_a_timeout_error_the_env_raises_itself_is_its_failure_not_the_bound():
+    """Its own client's deadline (an HTTP 504) at once, far inside env.step_timeout_s: the
+    env's failure with its traceback, not a line saying the bound ran out."""
+
+    async def step():
+        env = make_env([TimeoutError("the sandbox's own deadline")], step_timeout_s=30.0)
+        await env.reset()
+        return await env.step(make_completion([65, IM_END]))
+
+    async def init():
+        await make_env([], init_error=TimeoutError("db connect")).reset()
+
+    result = run(step())
+    assert (result.status, result.error) == (
+        RolloutStatus.ERROR_ENV,
+        "TimeoutError: the sandbox's own deadline",
+    )
+    assert "raise item" in result.error_details and result.assistant_text == "A"
+    with pytest.raises(TokenEnvError) as info:
+        run(init())
+    assert (info.value.status, str(info.value)) == (
+        RolloutStatus.ERROR_ENV,
+        "TimeoutError: db connect",
+    )
+
+
 class CountingRenderer(FakeRenderer):
     parsed = 0
 

@@ -17,7 +17,8 @@ its env ran:
     env.init took over it             -> TimeoutError("env.init exceeded env.step_timeout_s=30.0")
     a worker was killed, stuck in a   -> TimeoutError(a line naming what ran, rollout/
       call past step_timeout_s + grace   env_workers.py); nothing was parsed on this loop
-    user code raised                  -> EnvCallFailed(error="ValueError: ...", details=traceback)
+    user code raised (a TimeoutError  -> EnvCallFailed(error="ValueError: ...", details=traceback)
+      of its own included)
     init gave malformed messages      -> EnvCallFailed(error="<Env>.init: message 0 is ...")
 
 A TimeoutError's message is the rollout's error line (TokenEnv records it as it is).
@@ -32,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from torchtitan_rl.rollout.env_turn import Turn, TurnResult, checked_messages, take_turn
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
     import numpy as np
 
     from torchtitan_rl.envs.base import MessageEnv, Rubric, StepResult
@@ -91,12 +94,7 @@ class LocalCalls:
 
     async def open(self, env: MessageEnv) -> Opening:
         assert self._renderer is not None, "LocalCalls was built without a renderer"
-        try:
-            first = await asyncio.wait_for(env.init(), timeout=self._timeout_s)
-        except TimeoutError:
-            raise TimeoutError(self._past("env.init")) from None
-        except Exception as e:  # a user env failing is recorded on the rollout, not fatal
-            raise EnvCallFailed.from_current(e) from e
+        first = await self._bounded("env.init", env.init())
         try:
             messages = checked_messages(first, f"{type(env).__name__}.init")
         except ValueError as e:
@@ -108,15 +106,24 @@ class LocalCalls:
         return env, await take_turn(env, turn, self._renderer, self._step)
 
     async def _step(self, env: MessageEnv, text: str) -> StepResult:
+        return await self._bounded("env.step", env.step(text))
+
+    async def _bounded(self, what: str, call: Awaitable[Any]) -> Any:
+        """`call` (the env's `what`) bounded by timeout_s. A TimeoutError the env raised itself
+        (its own client's deadline) is its failure, EnvCallFailed with its traceback, not
+        this bound's: the line says what ran out."""
+        bound = asyncio.timeout(self._timeout_s)
         try:
-            return await asyncio.wait_for(env.step(text), timeout=self._timeout_s)
-        except TimeoutError:
-            raise TimeoutError(self._past("env.step")) from None
+            async with bound:
+                return await call
+        except TimeoutError as e:
+            if bound.expired():
+                raise TimeoutError(
+                    f"{what} exceeded env.step_timeout_s={self._timeout_s}"
+                ) from None
+            raise EnvCallFailed.from_current(e) from e
         except Exception as e:  # a user env failing is recorded on the rollout, not fatal
             raise EnvCallFailed.from_current(e) from e
-
-    def _past(self, what: str) -> str:
-        return f"{what} exceeded env.step_timeout_s={self._timeout_s}"
 
     async def score(self, rollout: Rollout) -> Score:
         assert self._rubric is not None, "LocalCalls was built without a rubric"

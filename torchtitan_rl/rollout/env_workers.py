@@ -16,6 +16,7 @@ readable):
     worker -> parent   ("ready",) once it loaded the rubric and the renderer, or ("broken",
                        line) if it cannot
                        ("ok", value) | ("timeout", line) | ("raised", error line, traceback)
+                       (a turn that ends its rollout answers ("ok", (None, TurnResult)))
 
 A worker runs one call at a time (the next, if small, waits in its pipe: IN_FLIGHT), and the env
 travels with each call and comes back stepped, so any worker can take any rollout's next
@@ -150,7 +151,8 @@ class EnvWorkers:
         return await self._run(("open", env))
 
     async def turn(self, env: MessageEnv, turn: Turn) -> tuple[MessageEnv, TurnResult]:
-        return await self._run(("turn", env, turn))
+        stepped, result = await self._run(("turn", env, turn))
+        return (env if stepped is None else stepped), result  # None: the rollout ended
 
     async def score(self, rollout: Rollout) -> Score:
         return await self._run(("score", rollout))
@@ -406,8 +408,13 @@ def serve(conn: Connection, setup_bytes: bytes, timeout_s: float) -> None:
 
 def _answer(loop: asyncio.AbstractEventLoop, calls: LocalCalls, call: tuple) -> tuple:
     try:
-        return ("ok", loop.run_until_complete(run_call(call, calls)))
+        value = loop.run_until_complete(run_call(call, calls))
     except TimeoutError as e:  # env.init past its bound (a turn answers with its TurnResult)
         return ("timeout", str(e))
     except EnvCallFailed as e:
         return ("raised", e.error, e.details)
+    if call[0] == "turn" and value[1].status is not None:
+        # the rollout ended: its env is not sent back, as nothing steps it again, and a step
+        # cut off at its timeout may leave it holding what cannot pickle (a pending task)
+        value = (None, value[1])
+    return ("ok", value)
