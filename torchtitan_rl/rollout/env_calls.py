@@ -109,19 +109,13 @@ class LocalCalls:
         return await self._bounded("env.step", env.step(text))
 
     async def _bounded(self, what: str, call: Awaitable[Any]) -> Any:
-        """`call` (the env's `what`) bounded by timeout_s. A TimeoutError the env raised itself
-        (its own client's deadline) is its failure, EnvCallFailed with its traceback, not
-        this bound's: the line says what ran out."""
-        bound = asyncio.timeout(self._timeout_s)
+        """`call` (the env's `what`) bounded by timeout_s."""
         try:
-            async with bound:
-                return await call
-        except TimeoutError as e:
-            if bound.expired():
-                raise TimeoutError(
-                    f"{what} exceeded env.step_timeout_s={self._timeout_s}"
-                ) from None
-            raise EnvCallFailed.from_current(e) from e
+            return await asyncio.wait_for(_own(call), timeout=self._timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"{what} exceeded env.step_timeout_s={self._timeout_s}") from None
+        except EnvCallFailed:
+            raise
         except Exception as e:  # a user env failing is recorded on the rollout, not fatal
             raise EnvCallFailed.from_current(e) from e
 
@@ -152,6 +146,16 @@ async def run_call(call: tuple[Any, ...], calls: LocalCalls) -> Any:
         return await calls.turn(*args)
     assert kind == "score", kind
     return await calls.score(*args)
+
+
+async def _own(call: Awaitable[Any]) -> Any:
+    """`call`, a TimeoutError it raises itself (its own client's deadline, an HTTP 504)
+    turned into EnvCallFailed with its traceback: the env's failure, where wait_for's
+    TimeoutError is the bound's."""
+    try:
+        return await call
+    except TimeoutError as e:
+        raise EnvCallFailed.from_current(e) from e
 
 
 def describe_exception(e: BaseException) -> str:
