@@ -9,6 +9,7 @@ rendered message is IM_START + "role\\ncontent" + IM_END + "\\n", like ChatML.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -111,6 +112,20 @@ class DiesParsingRenderer(PickyRenderer):
     def parse_completion(self, token_ids: np.ndarray) -> str:
         if os.getpid() != self.home_pid and any(int(t) > IM_END for t in token_ids):
             os._exit(3)
+        return super().parse_completion(token_ids)
+
+
+STUCK = 300
+"""A token HangsParsingRenderer never finishes parsing."""
+
+
+class HangsParsingRenderer(FakeRenderer):
+    """A FakeRenderer whose parse never ends on a completion holding STUCK (as a regex that
+    blows up on one long completion), in whichever process parses it."""
+
+    def parse_completion(self, token_ids: np.ndarray) -> str:
+        if any(int(t) == STUCK for t in token_ids):
+            threading.Event().wait()
         return super().parse_completion(token_ids)
 
 

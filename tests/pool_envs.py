@@ -34,6 +34,8 @@ PLANS = (
     "reward_raises",
     "reward_wrong_answer",
     "reward_nan",
+    "step_raises_timeout",  # its own TimeoutError (a client's deadline), at once
+    "step_hangs_holding_a_task",  # awaits a task kept on the env, past env.step_timeout_s
 )
 HANG_S = 600.0
 """Far longer than any test's step_timeout_s: only the timeout ends such a step."""
@@ -43,6 +45,7 @@ class PlanEnv(MessageEnv):
     def __init__(self, plan: str):
         self.plan = plan
         self.turn = 0
+        self.pending: asyncio.Future | None = None
 
     async def init(self) -> list[Message]:
         if self.plan == "init_raises":
@@ -58,6 +61,11 @@ class PlanEnv(MessageEnv):
                 await asyncio.sleep(HANG_S)
             if self.plan == "step_blocks":
                 time.sleep(HANG_S)
+            if self.plan == "step_raises_timeout":
+                raise TimeoutError("the sandbox's own deadline")
+            if self.plan == "step_hangs_holding_a_task":  # a task does not pickle
+                self.pending = asyncio.ensure_future(asyncio.sleep(HANG_S))
+                await self.pending
             if self.plan == "step_exits":
                 os._exit(3)
             if self.plan == "not_a_step_result":

@@ -6,6 +6,8 @@ tokenize each turn themselves, keep the loop serving while a step holds its thre
 and kill a stuck step without holding up the others, and leave nothing running after close."""
 
 import asyncio
+import json
+import logging
 import math
 import multiprocessing
 import os
@@ -15,7 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fake_renderer import BreaksLaterRenderer, DiesParsingRenderer, PickyRenderer, WhereRenderer
+from fake_renderer import (
+    STUCK,
+    BreaksLaterRenderer,
+    DiesParsingRenderer,
+    HangsParsingRenderer,
+    PickyRenderer,
+    WhereRenderer,
+)
 from fakes import FakeRenderer, ScriptedGenerate, make_completion
 from pool_envs import (
     PLANS,
@@ -218,26 +227,89 @@ def test_failures_become_the_same_error_rollouts_in_workers():
         "reward_raises": RolloutStatus.ERROR_REWARD,
         "reward_wrong_answer": RolloutStatus.COMPLETED,
         "reward_nan": RolloutStatus.ERROR_REWARD,
+        "step_raises_timeout": RolloutStatus.ERROR_ENV,
+        "step_hangs_holding_a_task": RolloutStatus.ERROR_TIMEOUT,
     }
     assert in_workers["ok"][0][3] == pytest.approx(0.3)
     assert in_workers["step_raises"][0][1] == "ValueError: cannot parse 'ok'"
     assert in_workers["step_raises"][0][2] == "ValueError: cannot parse 'ok'"  # the traceback
     assert in_workers["reward_raises"][0][1] == "ZeroDivisionError: a bug in the reward"
     assert in_workers["reward_wrong_answer"][0][5].startswith("reward: ValueError")
-    assert in_workers["step_hangs"][0][1] == "env.step exceeded step_timeout_s=2.0"
+    assert in_workers["step_hangs"][0][1] == "env.step exceeded env.step_timeout_s=2.0"
+    # the env's own TimeoutError is its failure; a timed-out step's env is not sent back
+    assert (
+        in_workers["step_raises_timeout"][0][1:3]
+        == ("TimeoutError: the sandbox's own deadline",) * 2
+    )
+    assert (
+        in_workers["step_hangs_holding_a_task"][0][1] == "env.step exceeded env.step_timeout_s=2.0"
+    )
 
 
 @pytest.mark.parametrize("workers", [1, 2])  # 1: calls sent behind a stuck one run after it
 def test_a_blocking_step_times_out_and_a_dying_one_errors_while_others_finish(workers):
     outcomes = _outcomes(workers, ["step_blocks", "ok", "step_exits", "ok"])
+    killed = (
+        "the turn (decoding the completion, env.step, encoding its reply) ran past "
+        "env.step_timeout_s=2.0 (+ 1 s grace) in an env worker process, which was killed"
+    )
     assert [row[:2] for row in outcomes["step_blocks"]] == [
-        (RolloutStatus.ERROR_TIMEOUT, "env.step exceeded step_timeout_s=2.0")
+        (RolloutStatus.ERROR_TIMEOUT, killed)
     ] * 2
     for status, error, *_ in outcomes["step_exits"]:
         assert status is RolloutStatus.ERROR_ENV
         assert "died, exit code 3 during this call" in error
     assert [row[0] for row in outcomes["ok"]] == [RolloutStatus.COMPLETED] * 2
     assert multiprocessing.active_children() == []
+
+
+def test_an_awaiting_step_times_out_in_its_worker_as_on_the_loop_and_keeps_the_worker(caplog):
+    """env.step awaits past env.step_timeout_s: the worker ends it as the loop does and
+    answers with the turn's text (the same rollouts as the loop's, compared above); no
+    worker is killed for it."""
+    with caplog.at_level(logging.WARNING, logger="torchtitan_rl.rollout.env_workers"):
+        outcomes = _outcomes(1, ["step_hangs", "ok"])
+    assert [row[:2] for row in outcomes["step_hangs"]] == [
+        (RolloutStatus.ERROR_TIMEOUT, "env.step exceeded env.step_timeout_s=2.0")
+    ] * 2
+    roles = [m["role"] for m in outcomes["step_hangs"][0][7]]
+    assert roles == ["user", "assistant", "user", "assistant"]  # the timed-out turn's text
+    assert outcomes["step_hangs"][0][7][-1]["content"] == "ok"
+    assert [r.getMessage() for r in caplog.records] == []
+
+
+def play_a_turn_stuck_parsing():
+    """Rollout 1's first completion never finishes parsing, wherever it is parsed."""
+    env_config = EnvConfig(max_turns=2, max_rollout_tokens=1000, step_timeout_s=1.0, workers=1)
+    environment = PlanEnvironment(env_config, seed=0)
+    renderer = HangsParsingRenderer()
+    rollouter = rollouter_for(environment, env_config, renderer, prompts_per_step=1)
+
+    def respond(call):
+        stuck = call.request_id.endswith("rollout=1/turn=0")
+        return make_completion([111, STUCK if stuck else 107, 257], request_id=call.request_id)
+
+    rollouts = collect(rollouter, ScriptedGenerate(respond), [0])[0].rollouts
+    rows = [[r.status.value, r.error, r.messages, len(r.turns)] for r in rollouts]
+    print(json.dumps([rows, [p.pid for p in multiprocessing.active_children()]]))
+
+
+def test_a_turn_stuck_parsing_in_a_worker_times_out_and_the_loop_never_parses_it():
+    """The worker is killed at the timeout; its completion is not parsed again on the event
+    loop (where it would hold the loop for good): the rollout records the timeout of the
+    whole turn, without its text, and the batch returns. Played in a child process, which a
+    stuck loop cannot take with it."""
+    run = _run_in_child("play_a_turn_stuck_parsing")
+    (ok, stuck), children = json.loads(run.stdout)
+    assert ok[0] == RolloutStatus.TRUNCATED_TURNS.value and ok[3] == 2
+    assert stuck == [
+        RolloutStatus.ERROR_TIMEOUT.value,
+        "the turn (decoding the completion, env.step, encoding its reply) ran past "
+        "env.step_timeout_s=1.0 (+ 1 s grace) in an env worker process, which was killed",
+        [{"role": "user", "content": "plan ok"}],  # no assistant text: it was never parsed
+        1,  # the completion's tokens are kept
+    ]
+    assert children == []
 
 
 @pytest.mark.parametrize(
@@ -384,13 +456,11 @@ def play_envs_bigger_than_the_pipe():
     print(*(r.status.value for r in groups[0].rollouts))
 
 
-def test_calls_bigger_than_the_pipe_wait_for_an_idle_worker_instead_of_deadlocking():
-    """A call sent behind a running one is read after it: one that does not fit in the pipe
-    would hold the event loop in its send while the worker's answer (as big) waits to be
-    read, forever. Played in a child process, which a deadlock cannot take with it."""
+def _run_in_child(play: str) -> subprocess.CompletedProcess:
+    """Run this module's function `play` in a child process; fail if it has not returned
+    within 120 s (it hangs)."""
     tests = Path(__file__).parent
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_env_workers as t; "
-    code += "t.play_envs_bigger_than_the_pipe()"
+    code = f"import sys; sys.path.insert(0, sys.argv[1]); import test_env_workers as t; t.{play}()"
     env = {**os.environ, "PYTHONPATH": str(tests.parent)}
     try:
         run = subprocess.run(
@@ -398,8 +468,17 @@ def test_calls_bigger_than_the_pipe_wait_for_an_idle_worker_instead_of_deadlocki
             env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
-        pytest.fail("the event loop and the env worker each waited for the other to read")
+        pytest.fail(f"{play} hung: the event loop never got back")
     assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def test_calls_bigger_than_the_pipe_wait_for_an_idle_worker_instead_of_deadlocking():
+    """A call sent behind a running one is read after it: one that does not fit in the pipe
+    would hold the event loop in its send while the worker's answer (as big) waits to be
+    read, forever (the event loop and the env worker each wait for the other to read).
+    Played in a child process, which a deadlock cannot take with it."""
+    run = _run_in_child("play_envs_bigger_than_the_pipe")
     assert run.stdout.split() == ["completed", "completed"]
 
 

@@ -5,6 +5,7 @@ import pytest
 from fakes import IM_END, FakeRenderer, Hang, ScriptedEnv, done, make_completion, reply
 
 from torchtitan_rl.envs.base import EnvConfig
+from torchtitan_rl.rollout.env_calls import LocalCalls
 from torchtitan_rl.rollout.token_env import TokenEnv, TokenEnvError
 from torchtitan_rl.types import FinishReason, RolloutStatus
 
@@ -119,7 +120,67 @@ def test_slow_env_step_is_error_timeout():
 
     result = run(go())
     assert result.status is RolloutStatus.ERROR_TIMEOUT
-    assert "step_timeout_s" in result.error
+    assert result.error == "env.step exceeded env.step_timeout_s=0.05"
+    assert result.assistant_text == "A"
+
+
+def test_a_timeout_error_the_env_raises_itself_is_its_failure_not_the_bound():
+    """Its own client's deadline (an HTTP 504) at once, far inside env.step_timeout_s: the
+    env's failure with its traceback, not a line saying the bound ran out."""
+
+    async def step():
+        env = make_env([TimeoutError("the sandbox's own deadline")], step_timeout_s=30.0)
+        await env.reset()
+        return await env.step(make_completion([65, IM_END]))
+
+    async def init():
+        await make_env([], init_error=TimeoutError("db connect")).reset()
+
+    result = run(step())
+    assert (result.status, result.error) == (
+        RolloutStatus.ERROR_ENV,
+        "TimeoutError: the sandbox's own deadline",
+    )
+    assert "raise item" in result.error_details and result.assistant_text == "A"
+    with pytest.raises(TokenEnvError) as info:
+        run(init())
+    assert (info.value.status, str(info.value)) == (
+        RolloutStatus.ERROR_ENV,
+        "TimeoutError: db connect",
+    )
+
+
+class CountingRenderer(FakeRenderer):
+    parsed = 0
+
+    def parse_completion(self, token_ids):
+        self.parsed += 1
+        return super().parse_completion(token_ids)
+
+
+class KilledTurnCalls(LocalCalls):
+    """EnvCalls whose turns end as a worker killed mid-turn does: TimeoutError with a line."""
+
+    async def turn(self, env, turn):
+        raise TimeoutError("the turn ran past env.step_timeout_s=5.0 in a killed worker")
+
+
+def test_a_turn_whose_worker_was_killed_is_error_timeout_and_is_not_parsed_again():
+    """What the killed worker ran may never end: the completion is not parsed on this loop
+    to learn its text, the line from the EnvCalls is the rollout's error."""
+    renderer = CountingRenderer()
+    config = EnvConfig(max_turns=4, max_rollout_tokens=1000, step_timeout_s=5.0)
+    env = TokenEnv(ScriptedEnv([done()]), renderer, config, KilledTurnCalls(5.0, None, renderer))
+
+    async def go():
+        await env.reset()
+        return await env.step(make_completion([65, IM_END]))
+
+    result = run(go())
+    assert result.status is RolloutStatus.ERROR_TIMEOUT and result.done
+    assert result.error == "the turn ran past env.step_timeout_s=5.0 in a killed worker"
+    assert (result.assistant_text, renderer.parsed) == ("", 0)
+    assert env.messages == [{"role": "user", "content": "hi"}]
 
 
 @pytest.mark.parametrize(

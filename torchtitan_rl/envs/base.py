@@ -47,10 +47,11 @@ class EnvConfig:
     that cost milliseconds (a reasoning-gym scorer) and the tokenizer's work of many
     concurrent rollouts run in parallel and the loop stays free to serve the generators; the
     rubric, the renderer and each MessageEnv must pickle (each call carries its env there
-    and back). There, a whole call (a turn with its tokenizing, a score) is bounded by
-    step_timeout_s, and a call past it kills its worker (replaced) and errors only its own
-    rollout. An env that waits on I/O with `await` gains nothing from it. Measured in
-    docs/benchmarks.md (env steps, the controller's turn rate)."""
+    and back). There, init and step are bounded by step_timeout_s as on the loop, and a
+    call stuck past step_timeout_s + 1 s (a step that holds its thread, a turn's tokenizing,
+    a score) kills its worker (replaced) and errors only its own rollout. An env that waits
+    on I/O with `await` gains nothing from it. Measured in docs/benchmarks.md (env steps,
+    the controller's turn rate)."""
     args: dict[str, Any] = field(default_factory=dict)
     """The environment's own settings (TOML table [env.args], overrides --env.args.key=v),
     checked against its `config_class`; unset keys keep that dataclass's defaults."""

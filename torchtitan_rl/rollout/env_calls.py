@@ -12,9 +12,16 @@ encoded) and `score`. Both report the same outcomes, so a rollout errors the sam
 its env ran:
 
     the call returned                 -> (env, value); a worker returns its copy of the env
-    it took over env.step_timeout_s   -> TimeoutError (TokenEnv: ERROR_TIMEOUT)
-    user code raised                  -> EnvCallFailed(error="ValueError: ...", details=traceback)
+    env.step took over step_timeout_s -> a TurnResult, status ERROR_TIMEOUT, with the parsed
+                                         text and "env.step exceeded env.step_timeout_s=30.0"
+    env.init took over it             -> TimeoutError("env.init exceeded env.step_timeout_s=30.0")
+    a worker was killed, stuck in a   -> TimeoutError(a line naming what ran, rollout/
+      call past step_timeout_s + grace   env_workers.py); nothing was parsed on this loop
+    user code raised (a TimeoutError  -> EnvCallFailed(error="ValueError: ...", details=traceback)
+      of its own included)
     init gave malformed messages      -> EnvCallFailed(error="<Env>.init: message 0 is ...")
+
+A TimeoutError's message is the rollout's error line (TokenEnv records it as it is).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from torchtitan_rl.rollout.env_turn import Turn, TurnResult, checked_messages, take_turn
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
     import numpy as np
 
     from torchtitan_rl.envs.base import MessageEnv, Rubric, StepResult
@@ -85,12 +94,7 @@ class LocalCalls:
 
     async def open(self, env: MessageEnv) -> Opening:
         assert self._renderer is not None, "LocalCalls was built without a renderer"
-        try:
-            first = await asyncio.wait_for(env.init(), timeout=self._timeout_s)
-        except TimeoutError:
-            raise
-        except Exception as e:  # a user env failing is recorded on the rollout, not fatal
-            raise EnvCallFailed.from_current(e) from e
+        first = await self._bounded("env.init", env.init())
         try:
             messages = checked_messages(first, f"{type(env).__name__}.init")
         except ValueError as e:
@@ -102,9 +106,15 @@ class LocalCalls:
         return env, await take_turn(env, turn, self._renderer, self._step)
 
     async def _step(self, env: MessageEnv, text: str) -> StepResult:
+        return await self._bounded("env.step", env.step(text))
+
+    async def _bounded(self, what: str, call: Awaitable[Any]) -> Any:
+        """`call` (the env's `what`) bounded by timeout_s."""
         try:
-            return await asyncio.wait_for(env.step(text), timeout=self._timeout_s)
+            return await asyncio.wait_for(_own(call), timeout=self._timeout_s)
         except TimeoutError:
+            raise TimeoutError(f"{what} exceeded env.step_timeout_s={self._timeout_s}") from None
+        except EnvCallFailed:
             raise
         except Exception as e:  # a user env failing is recorded on the rollout, not fatal
             raise EnvCallFailed.from_current(e) from e
@@ -136,6 +146,16 @@ async def run_call(call: tuple[Any, ...], calls: LocalCalls) -> Any:
         return await calls.turn(*args)
     assert kind == "score", kind
     return await calls.score(*args)
+
+
+async def _own(call: Awaitable[Any]) -> Any:
+    """`call`, a TimeoutError it raises itself (its own client's deadline, an HTTP 504)
+    turned into EnvCallFailed with its traceback: the env's failure, where wait_for's
+    TimeoutError is the bound's."""
+    try:
+        return await call
+    except TimeoutError as e:
+        raise EnvCallFailed.from_current(e) from e
 
 
 def describe_exception(e: BaseException) -> str:

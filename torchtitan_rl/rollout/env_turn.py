@@ -12,8 +12,10 @@ the env's step. A 2-turn rollout, prompt P0, completions A0 and A1:
     Turn(completion_ids=A1, cut=False, closed=True, index=1, last=True)
         -> TurnResult(status=TRUNCATED_TURNS, text=text(A1), reply=[E1], continuation=None)
 
-A failure of the env's own code (its step raised or ran past env.step_timeout_s) is not a
-TurnResult: it raises EnvCallFailed / TimeoutError out of the EnvCalls, as the call it was.
+A step that ran past env.step_timeout_s ends the turn here, where its text is known:
+TurnResult(status=ERROR_TIMEOUT, text=text(A1), error="env.step exceeded env.step_timeout_s=
+30.0"), the same on the event loop and in a worker (which is then not killed). A step that
+raised is not a TurnResult: EnvCallFailed comes out of the EnvCalls, as the call it was.
 """
 
 from __future__ import annotations
@@ -107,14 +109,18 @@ async def take_turn(
     renderer: Renderer,
     step: Callable[[MessageEnv, str], Awaitable[Any]],
 ) -> TurnResult:
-    """Parse, step (`step(env, text)`, which raises the env's failures), check and render."""
+    """Parse, step (`step(env, text)`, which raises the env's failures, TimeoutError with
+    its line past its bound), check and render."""
     try:
         text = renderer.parse_completion(turn.completion_ids)
     except ValueError as e:
         return TurnResult(status=RolloutStatus.ERROR_PARSE, error=f"{type(e).__name__}: {e}")
     if turn.cut:
         return TurnResult(status=RolloutStatus.TRUNCATED_LENGTH, text=text)
-    result = await step(env, text)
+    try:
+        result = await step(env, text)
+    except TimeoutError as e:
+        return TurnResult(status=RolloutStatus.ERROR_TIMEOUT, text=text, error=str(e))
     where = f"{type(env).__name__}.step (turn {turn.index})"
     try:
         if not isinstance(result, StepResult):

@@ -15,15 +15,19 @@ readable):
     parent -> worker   ("open", env) | ("turn", env, Turn) | ("score", rollout) | None (stop)
     worker -> parent   ("ready",) once it loaded the rubric and the renderer, or ("broken",
                        line) if it cannot
-                       ("ok", value) | ("timeout",) | ("raised", error line, traceback)
+                       ("ok", value) | ("timeout", line) | ("raised", error line, traceback)
+                       (a turn that ends its rollout answers ("ok", (None, TurnResult)))
 
 A worker runs one call at a time (the next, if small, waits in its pipe: IN_FLIGHT), and the env
 travels with each call and comes back stepped, so any worker can take any rollout's next
-turn. Calls wait in the parent's FIFO for a worker; `env.step_timeout_s` counts from when a
-worker starts the call (the whole call: a turn's tokenizing with its step), since waiting
-for one is not the env's doing. A call past it: its worker is killed and replaced and the call
-raises TimeoutError, so a stuck step holds one worker for that long and no other call. A
-worker that dies during a call: the call raises EnvCallFailed and a new worker replaces it.
+turn. Calls wait in the parent's FIFO for a worker. A worker bounds `MessageEnv.init` and
+`step` by `env.step_timeout_s` itself, as the event loop does, and answers (a turn with its
+text, ERROR_TIMEOUT), its process kept. A call stuck where no `await` can end it (a step that
+holds its thread, a parse, a scorer) is bounded here: past step_timeout_s + KILL_GRACE_S,
+counted from when a worker starts it (waiting for one is not the env's doing), its worker is
+killed and replaced and the call raises TimeoutError with a line naming what ran, so it holds
+one worker for that long and no other call. A worker that dies during a call: the call raises
+EnvCallFailed and a new worker replaces it.
 """
 
 from __future__ import annotations
@@ -69,6 +73,15 @@ block the event loop in its send until then, and forever if the worker's answer 
 either (each waits on the other to read); it waits in the queue for an idle worker instead."""
 STOP_WAIT_S = 2.0
 """How long `close` waits for an idle worker to exit by itself before killing it."""
+KILL_GRACE_S = 1.0
+"""How long past env.step_timeout_s a call runs before its worker is killed: time for the
+worker to end a step at its own timeout and answer, keeping the turn's text and the process."""
+_RAN = {
+    "open": "env.init (with the first prompt's encoding)",
+    "turn": "the turn (decoding the completion, env.step, encoding its reply)",
+    "score": "scoring the rollout",
+}
+"""What a killed call was running, by its kind, for its error line."""
 
 
 @dataclass(slots=True)
@@ -138,7 +151,8 @@ class EnvWorkers:
         return await self._run(("open", env))
 
     async def turn(self, env: MessageEnv, turn: Turn) -> tuple[MessageEnv, TurnResult]:
-        return await self._run(("turn", env, turn))
+        stepped, result = await self._run(("turn", env, turn))
+        return (env if stepped is None else stepped), result  # None: the rollout ended
 
     async def score(self, rollout: Rollout) -> Score:
         return await self._run(("score", rollout))
@@ -161,7 +175,10 @@ class EnvWorkers:
         assert self._loop is not None
         parent, child = self._context.Pipe()
         process = self._context.Process(
-            target=serve, args=(child, self._setup_bytes), name="env-worker", daemon=True
+            target=serve,
+            args=(child, self._setup_bytes, self._timeout_s),
+            name="env-worker",
+            daemon=True,
         )
         process.start()
         child.close()
@@ -213,7 +230,7 @@ class EnvWorkers:
         """Start the timeout of the worker's running call, if it has one and it is not armed."""
         assert self._loop is not None
         if worker.calls and worker.deadline is None:
-            worker.deadline = self._loop.time() + self._timeout_s
+            worker.deadline = self._loop.time() + self._timeout_s + KILL_GRACE_S
             if self._watchdog is None:  # else it fires earlier, and then re-arms for this one
                 self._watch_at(worker.deadline)
 
@@ -256,16 +273,17 @@ class EnvWorkers:
         self._dispatch()
 
     def _expire(self, worker: _Worker) -> None:
-        """The worker's call ran past env.step_timeout_s: kill it, start another."""
+        """The worker's call ran past env.step_timeout_s + KILL_GRACE_S: kill it, start another."""
         call = self._requeue_behind(worker)
-        logger.warning(
-            "an env worker (pid %s) took over env.step_timeout_s=%g on one call: killed, "
-            "its rollout errors with a timeout, a new worker replaces it",
-            worker.process.pid, self._timeout_s,
-        )  # fmt: skip
+        ran = "a call" if call is None else _RAN[call.call[0]]
+        line = (
+            f"{ran} ran past env.step_timeout_s={self._timeout_s} (+ {KILL_GRACE_S:g} s grace) "
+            f"in an env worker process, which was killed"
+        )
+        logger.warning("%s (pid %s); a new worker replaces it", line, worker.process.pid)
         self._replace(worker)
         if call is not None and not call.future.done():
-            call.future.set_exception(TimeoutError())
+            call.future.set_exception(TimeoutError(line))
         self._dispatch()
 
     def _lost(self, worker: _Worker) -> None:
@@ -343,15 +361,15 @@ def _settle(future: asyncio.Future, message: tuple[Any, ...]) -> None:
     if message[0] == "ok":
         future.set_result(message[1])
     elif message[0] == "timeout":
-        future.set_exception(TimeoutError())
+        future.set_exception(TimeoutError(message[1]))
     else:
         assert message[0] == "raised", message[0]
         future.set_exception(EnvCallFailed(message[1], message[2]))
 
 
-def serve(conn: Connection, setup_bytes: bytes) -> None:
+def serve(conn: Connection, setup_bytes: bytes, timeout_s: float) -> None:
     """A worker process: load the rubric and the renderer, then answer calls until told to
-    stop."""
+    stop, bounding each env init and step by `timeout_s`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     try:
         rubric_bytes, renderer = pickle.loads(setup_bytes)
@@ -364,7 +382,7 @@ def serve(conn: Connection, setup_bytes: bytes) -> None:
     except Exception as e:
         conn.send(("broken", f"a worker process cannot load the rubric: {describe_exception(e)}"))
         return
-    calls, loop = LocalCalls(None, rubric, renderer), asyncio.new_event_loop()
+    calls, loop = LocalCalls(timeout_s, rubric, renderer), asyncio.new_event_loop()
     conn.send(("ready",))
     while True:
         try:
@@ -390,8 +408,13 @@ def serve(conn: Connection, setup_bytes: bytes) -> None:
 
 def _answer(loop: asyncio.AbstractEventLoop, calls: LocalCalls, call: tuple) -> tuple:
     try:
-        return ("ok", loop.run_until_complete(run_call(call, calls)))
-    except TimeoutError:
-        return ("timeout",)
+        value = loop.run_until_complete(run_call(call, calls))
+    except TimeoutError as e:  # env.init past its bound (a turn answers with its TurnResult)
+        return ("timeout", str(e))
     except EnvCallFailed as e:
         return ("raised", e.error, e.details)
+    if call[0] == "turn" and value[1].status is not None:
+        # the rollout ended: its env is not sent back, as nothing steps it again, and a step
+        # cut off at its timeout may leave it holding what cannot pickle (a pending task)
+        value = (None, value[1])
+    return ("ok", value)

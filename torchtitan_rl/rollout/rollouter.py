@@ -355,9 +355,8 @@ class Rollouter:
         except EnvCallFailed as e:  # a failing reward fn marks the rollout, never a silent 0
             _fail(rollout, RolloutStatus.ERROR_REWARD, e.error, e.details)
             return
-        except TimeoutError:  # only a worker process bounds scoring
-            error = f"scoring exceeded env.step_timeout_s={self._env_config.step_timeout_s}"
-            _fail(rollout, RolloutStatus.ERROR_TIMEOUT, error)
+        except TimeoutError as e:  # only a worker process bounds scoring; its line says how
+            _fail(rollout, RolloutStatus.ERROR_TIMEOUT, str(e))
             return
         error = _reward_error(reward, breakdown)
         if error is not None:

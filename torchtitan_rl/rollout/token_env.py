@@ -19,7 +19,10 @@ Limits (from EnvConfig), checked in this order after each completion:
     completion finish_reason LENGTH           -> TRUNCATED_LENGTH (env.step is not called:
                                                  the message is cut; the rubric still scores
                                                  what exists)
-    env.step raised / exceeded step_timeout_s -> ERROR_ENV / ERROR_TIMEOUT
+    env.step raised / exceeded step_timeout_s -> ERROR_ENV / ERROR_TIMEOUT ("env.step exceeded
+                                                 env.step_timeout_s=30.0", the turn's text kept)
+    an env worker killed, stuck in the turn   -> ERROR_TIMEOUT (its line names the whole turn;
+      past step_timeout_s + grace                no text: the completion is not parsed again)
     env.step gave no StepResult, or a message -> ERROR_ENV (naming the env class, the
       UTF-8 cannot encode (a lone surrogate)     method, the turn and the message)
     env said done                             -> COMPLETED
@@ -109,8 +112,8 @@ class TokenEnv:
         """Start the episode; returns the first prompt ids. Raises TokenEnvError on env failure."""
         try:
             self._env, self._messages, prompt_ids = await self._calls.open(self._env)
-        except TimeoutError as e:
-            raise TokenEnvError(RolloutStatus.ERROR_TIMEOUT, self._timeout_message("init")) from e
+        except TimeoutError as e:  # its message is the line (rollout/env_calls.py)
+            raise TokenEnvError(RolloutStatus.ERROR_TIMEOUT, str(e)) from e
         except EnvCallFailed as e:  # a user env failing is recorded on the rollout, not fatal
             raise TokenEnvError(RolloutStatus.ERROR_ENV, e.error, e.details) from e
         self._prompt_ids = np.asarray(prompt_ids, np.int32)
@@ -136,10 +139,12 @@ class TokenEnv:
         )
         try:
             self._env, result = await self._calls.turn(self._env, turn)
-        except TimeoutError:
-            return self._failed(turn, RolloutStatus.ERROR_TIMEOUT, self._timeout_message("step"))
+        except TimeoutError as e:
+            # a worker stuck in the turn, killed: what it ran (a parse, a step, an encoding)
+            # may never end, so it is not run again here, on the loop, to learn the text
+            return _ended(RolloutStatus.ERROR_TIMEOUT, error=str(e))
         except EnvCallFailed as e:  # a user env failing is recorded on the rollout, not fatal
-            return self._failed(turn, RolloutStatus.ERROR_ENV, e.error, e.details)
+            return self._failed(turn, e.error, e.details)
         if result.text is None:  # it did not parse: not a turn
             return _ended(RolloutStatus.ERROR_PARSE, error=result.error)
         self._add_turn(result.text, result.reply)
@@ -164,27 +169,23 @@ class TokenEnv:
         self._prompt_ids = next_prompt
         return TokenStep(next_prompt_ids=next_prompt, done=False, status=None, **fields)
 
-    def _failed(
-        self, turn: Turn, status: RolloutStatus, error: str, details: str | None = None
-    ) -> TokenStep:
-        """The env's step failed (raised, ran past its timeout, its worker died). A failed
-        call brings nothing back, so the completion's text is parsed again here: a worker
-        that died or timed out parsing it may leave one that does not parse, which ends the
-        rollout as it would have on the event loop."""
+    def _failed(self, turn: Turn, error: str, details: str | None = None) -> TokenStep:
+        """The env's step raised, or its worker died. A failed call brings nothing back, so
+        the completion's text is parsed again here: a worker that died parsing it may leave
+        one that does not parse, which ends the rollout as it would have on the event loop."""
         try:
             text = self._renderer.parse_completion(turn.completion_ids)
         except ValueError as e:
             return _ended(RolloutStatus.ERROR_PARSE, error=f"{type(e).__name__}: {e}")
         self._add_turn(text, [])
-        return _ended(status, assistant_text=text, error=error, error_details=details)
+        return _ended(
+            RolloutStatus.ERROR_ENV, assistant_text=text, error=error, error_details=details
+        )
 
     def _add_turn(self, text: str, reply: list[Message]) -> None:
         self._num_turns += 1
         self._messages.append({"role": "assistant", "content": text})
         self._messages.extend(reply)
-
-    def _timeout_message(self, what: str) -> str:
-        return f"env.{what} exceeded step_timeout_s={self._config.step_timeout_s}"
 
 
 def _ended(status: RolloutStatus, **fields: Any) -> TokenStep:
