@@ -2,6 +2,7 @@
 
     python scripts/bench_sampling_host.py            # 256 rows, 300 steps (CUDA if present)
     python scripts/bench_sampling_host.py --smoke    # 16 rows, 20 steps, CPU
+    python scripts/bench_sampling_host.py --device cpu --rows 64   # `_record` on the host
 
 Milliseconds of host time per step in `Engine._launch_sample` (the rows' settings and
 random draws, queueing the sampler and the copies of its results to the host) and
@@ -44,6 +45,9 @@ from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.models.qwen3 import ModelConfig, build_model
 from torchtitan_rl.types import SamplingParams
 
+STOP_TOKEN_IDS = (-1, -2)
+"""Two ids no row samples: every row checks its token against them at every step, as the
+RL job's requests check the chat template's end ids, and no row finishes."""
 SETTINGS = {
     "temperature 1": SamplingParams(temperature=1.0),
     "top-p 0.9": SamplingParams(top_p=0.9),
@@ -62,6 +66,7 @@ def engine_with_rows(loop, rows: int, steps: int, sampling: SamplingParams, devi
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             max_tokens=2 * steps + 40,
+            stop_token_ids=STOP_TOKEN_IDS,
             seed=i,
         )
         engine._enqueue(str(i), [1 + i % 50, 2, 3], params, loop.create_future(), 0.0)
@@ -202,6 +207,7 @@ def main() -> None:
             f"| {r['setting']} | {r['launch_ms']:.3f} | {r['record_ms']:.3f} | {total:.3f} "
             f"| {r['math_ms']:.3f} | {r['launch_rows_changed_ms']:.3f} | {ops} |"
         )
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     out = Path(args.out) / "bench_sampling_host.json"
     out.write_text(json.dumps(results, indent=1))
     print(f"wrote {out}")

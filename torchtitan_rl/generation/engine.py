@@ -39,13 +39,15 @@ from torchtitan_rl.types import Completion, FinishReason, SamplingParams
 class _Sampled:
     """A step's sampling as queued on the device: `token_ids_N` / `logprobs_N` are host
     copies (on CUDA: views of the engine's pinned buffers) that are valid once `ready`
-    (None: already) has passed."""
+    (None: already) has passed; `positions`: each row's position, the index in its
+    completion of the token it samples (its draw's key)."""
 
     result: SampleResult
     token_ids_N: torch.Tensor
     logprobs_N: torch.Tensor
     ready: torch.cuda.Event | None
     support_wanted: bool
+    positions: list[int]
 
 
 def build_native_engine(
@@ -143,6 +145,8 @@ class Engine(EngineFront):
         future: asyncio.Future,
         arrival_s: float,
     ) -> None:
+        # `_finish_reason`'s length limits as the last position before them
+        limit = min(sampling.max_tokens, self.config.max_seq_len - len(prompt_ids))
         self._sched.waiting.append(
             Request(
                 request_id=request_id,
@@ -151,6 +155,7 @@ class Engine(EngineFront):
                 future=future,
                 arrival_s=arrival_s,
                 arrival_step=self.stats["steps"],
+                check_from=0 if sampling.stop_sequences else limit - 1,
             )
         )
 
@@ -283,8 +288,11 @@ class Engine(EngineFront):
         out = sample_tokens(
             logits_NV, **rows.sampler_args(), invariant=self._runner.batch_invariant
         )
+        positions = rows.positions()
         if not cuda:
-            return _Sampled(out, out.token_ids_N, out.logprobs_N, None, rows.return_support)
+            return _Sampled(
+                out, out.token_ids_N, out.logprobs_N, None, rows.return_support, positions
+            )
         N = len(requests)
         if self._host_out is None or self._host_out[0].numel() < N:
             size = max(N, self.config.max_num_seqs)
@@ -298,31 +306,49 @@ class Engine(EngineFront):
         token_ids_N.copy_(out.token_ids_N, non_blocking=True)
         logprobs_N.copy_(out.logprobs_N, non_blocking=True)
         self._ready.record()
-        return _Sampled(out, token_ids_N, logprobs_N, self._ready, rows.return_support)
+        return _Sampled(out, token_ids_N, logprobs_N, self._ready, rows.return_support, positions)
 
     def _record(self, requests: list[Request], sampled: _Sampled, version: int) -> None:
         """Waits for a step's tokens (computed under weights `version`), appends them,
         resolves the requests that finished. Rows of requests already over (a look-ahead
-        step's) are skipped."""
+        step's) are skipped.
+
+        The results come to the host in one conversion each; per row only the appends and
+        two comparisons run (`Request.check_from`: the full finish check only where a
+        length limit or a stop sequence may end it). Each row's position must be its token
+        count: `SamplingRows` moves a kept row's on by one per step, which holds only if
+        every live row records exactly one token per step; if not, its draws would be
+        keyed off by one from then on (asserted here)."""
         if sampled.ready is not None:
             sampled.ready.synchronize()
-        out = sampled.result
         now = time.perf_counter()
         token_ids, logprobs = sampled.token_ids_N.tolist(), sampled.logprobs_N.tolist()
         self._unread = False  # read: the next step may reuse the host buffers
-        live = [(i, r) for i, r in enumerate(requests) if not r.is_over()]
-        for i, request in live:
-            if not request.token_ids:
+        if sampled.support_wanted:
+            _record_support(requests, sampled.result)
+        step = self.stats["steps"]
+        ending = []
+        for request, token, logprob, position in zip(
+            requests, token_ids, logprobs, sampled.positions
+        ):
+            if request.finished or request.future.done():  # `is_over`, inlined
+                continue
+            ids = request.token_ids
+            assert len(ids) == position, (
+                f"request {request.request_id} sampled at position {position} with "
+                f"{len(ids)} tokens: a draw is keyed by its token's index (SamplingRows)"
+            )
+            if not position:
                 request.first_token_s = now
-                request.first_step = self.stats["steps"]
-            request.token_ids.append(token_ids[i])
-            request.logprobs.append(logprobs[i])
-            request.saw_version(version)
-            if request.sampling.return_support:
-                assert out.support is not None
-                request.support.append(out.support[i].cpu().numpy())
+                request.first_step = step
+            ids.append(token)
+            request.logprobs.append(logprob)
+            if version != request.version_max or request.version_min is None:
+                request.saw_version(version)  # rarely: once per request and weights version
+            if position >= request.check_from or token in request.sampling.stop_token_ids:
+                ending.append(request)
         inflight = len(self._sched.running)
-        for _, request in live:
+        for request in ending:
             reason = self._finish_reason(request)
             if reason is not None:
                 self._sched.finish(request)
@@ -368,3 +394,17 @@ class Engine(EngineFront):
             },
         )
         self._complete(request.future, completion)
+
+
+def _record_support(requests: list[Request], result: SampleResult) -> None:
+    """Appends each live row's sampling support to its request, if it asked for it: one
+    copy to the host for the step (a `.cpu()` per row would wait for the device per row)."""
+    rows = [i for i, r in enumerate(requests) if r.sampling.return_support and not r.is_over()]
+    if not rows:
+        return
+    assert result.support is not None
+    support = [result.support[i] for i in rows]
+    ids = torch.cat(support).cpu().numpy()
+    ends = np.cumsum([len(s) for s in support[:-1]])
+    for i, kept in zip(rows, np.split(ids, ends)):
+        requests[i].support.append(kept)

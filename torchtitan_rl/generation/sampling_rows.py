@@ -5,7 +5,8 @@ The sampler takes, for each row of a step's logits, its temperature, top-p, top-
 random draw U(seed, p) (`keyed_random`: p is the index in its completion of the token the
 row samples now), and a `RowPlan` of which rows sample and which filter. Most steps hold
 the same requests as the step before, in the same order: then every position moves on by
-one (each row recorded a token since) and only the draws change. When rows join, leave or
+one (each row recorded a token since; `Engine._record` asserts that each row it records
+has as many tokens as its position) and only the draws change. When rows join, leave or
 move, the rows kept are gathered from the last step's record (their positions moved on by
 one), the joined ones are read from their requests (their position: their token count),
 and the plan is rebuilt.
@@ -115,6 +116,11 @@ class SamplingRows:
         self.rebuilds += 1
         self._stage(N)
         self._copy(self._host_B.numel())
+
+    def positions(self) -> list[int]:
+        """Each row's position as `update` set it: the index in its completion of the token
+        the row samples now (what its draw is keyed by)."""
+        return self._position_M[: len(self.requests)].tolist()
 
     def sampler_args(self) -> dict:
         """`sample_tokens`' per-row arguments for the step `update` set up."""

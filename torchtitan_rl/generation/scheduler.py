@@ -67,6 +67,11 @@ class Request:
     finished: bool = False
     """Set when the scheduler gives the request's blocks back (`Scheduler.finish`); its
     future is resolved later, on the caller's loop."""
+    check_from: int = 0
+    """The position (index in the completion) from which every token recorded runs the
+    engine's full finish check; before it only a stop token can end the request. The
+    engine sets it at enqueue (the last position before a length limit; 0 with stop
+    sequences); 0 checks every token."""
 
     def is_over(self) -> bool:
         """Finished, or given up by its caller."""
