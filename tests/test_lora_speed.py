@@ -123,3 +123,29 @@ def test_on_one_rank_an_unshard_copies_the_adapters_and_not_the_frozen_base():
     }
     for name, p in lora.model.named_parameters():
         assert isinstance(p, DTensor) == p.requires_grad == (".lora_" in name), name
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_with_nothing_to_ignore_fsdp_is_applied_as_without_ignored_params():
+    """Multi-rank FSDP and TP + FSDP leave nothing outside FSDP: `fully_shard` is then called
+    as before there was an `ignored_params` (an empty set makes FSDP drop the modules with
+    no parameters, attention's, from those it marks as managed for Dynamo)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from torchtitan_rl.models.qwen3 import ModelConfig, build_model
+    from torchtitan_rl.training.parallelize import _shard_blocks_and_root
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+    ours, plain = (build_model(ModelConfig(max_seq_len=64), 97, torch.device("cpu")) for _ in "ab")
+    _shard_blocks_and_root(ours, mesh, torch.float32, reshard=False)
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for block in plain.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(plain, mesh=mesh, mp_policy=mp)
+
+    def managed(model):
+        return {n for n, m in model.named_modules() if getattr(m, "_is_fsdp_managed_module", 0)}
+
+    assert "layers.0.attention.inner_attention" in managed(plain)
+    assert managed(ours) == managed(plain)

@@ -167,9 +167,11 @@ def _shard_blocks_and_root(
 ) -> None:
     """One FSDP group per block, the embedding, final norm and head in the root group;
     `reshard`: free each block's gathered weights after its forward (False on CPU);
-    `ignored`: parameters left as plain tensors outside FSDP."""
+    `ignored`: parameters left as plain tensors outside FSDP; when there are none,
+    `fully_shard` gets no `ignored_params` (an empty set is another call: FSDP then drops
+    the modules without parameters, attention's, from the modules it marks for Dynamo)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    ignored = set(ignored)
+    ignored = set(ignored) or None
     for block in model.layers.values():
         fully_shard(
             block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored
