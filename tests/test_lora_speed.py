@@ -10,10 +10,12 @@ from __future__ import annotations
 import collections
 
 import numpy as np
+import pytest
 import torch
 from fakes import tiny_core
-from test_lora import lora_core, nonzero_b
+from test_lora import lora_core, nonzero_b, one_rank  # noqa: F401 (a fixture)
 from test_trainer import _batch, _episodes
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan_rl.models.lora import TARGETS, LoRALinear, LoRAProjection
@@ -96,3 +98,54 @@ def test_compiled_lora_blocks_trace_whole_and_match_eager():
         assert grads_c.keys() == grads_e.keys() and all(".lora_" in k for k in grads_c)
         for k in grads_e:
             torch.testing.assert_close(grads_c[k], grads_e[k], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_on_one_rank_an_unshard_copies_the_adapters_and_not_the_frozen_base():
+    """trainer_procs = 1: FSDP's world-size-1 unshard copies every parameter it manages
+    into a buffer of its own (a cast and a copy each in bf16), at every unshard (3 per
+    microbatch on a GPU). The frozen base stays a plain tensor outside FSDP, so a LoRA
+    block's unshard copies its 14 adapters, not 25 tensors; full training's is as it was."""
+    lora, full = lora_core(rank=8, dtype="bfloat16"), tiny_core(dtype="bfloat16")
+    counts = {}
+    for name, core in (("lora", lora), ("full", full)):
+        block = core.model.layers["0"]
+        block.unshard()  # the first allocates FSDP's buffers
+        block.reshard()
+        with KernelOps() as counted:
+            block.unshard()
+        block.reshard()
+        counts[name] = dict(counted.ops)
+    adapters, params = 2 * len(TARGETS), len(list(full.model.layers["0"].parameters()))
+    assert counts == {
+        "lora": {"_to_copy": adapters, "copy_": adapters},
+        "full": {"_to_copy": params, "copy_": params},
+    }
+    for name, p in lora.model.named_parameters():
+        assert isinstance(p, DTensor) == p.requires_grad == (".lora_" in name), name
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_with_nothing_to_ignore_fsdp_is_applied_as_without_ignored_params():
+    """Multi-rank FSDP and TP + FSDP leave nothing outside FSDP: `fully_shard` is then called
+    as before there was an `ignored_params` (an empty set makes FSDP drop the modules with
+    no parameters, attention's, from those it marks as managed for Dynamo)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from torchtitan_rl.models.qwen3 import ModelConfig, build_model
+    from torchtitan_rl.training.parallelize import _shard_blocks_and_root
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+    ours, plain = (build_model(ModelConfig(max_seq_len=64), 97, torch.device("cpu")) for _ in "ab")
+    _shard_blocks_and_root(ours, mesh, torch.float32, reshard=False)
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for block in plain.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(plain, mesh=mesh, mp_policy=mp)
+
+    def managed(model):
+        return {n for n, m in model.named_modules() if getattr(m, "_is_fsdp_managed_module", 0)}
+
+    assert "layers.0.attention.inner_attention" in managed(plain)
+    assert managed(ours) == managed(plain)

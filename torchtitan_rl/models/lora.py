@@ -297,7 +297,8 @@ def merged_weight(m: LoRALinear) -> torch.Tensor:
     the gathered A (rank x in, small). Other layouts (TP, TP + FSDP) merge full tensors
     (every rank the same), which the packing then takes as whole tensors."""
     w, a, b = m.weight, m.lora_A, m.lora_B
-    if not isinstance(w, DTensor):
+    if not isinstance(w, DTensor):  # no FSDP, or one rank (the base outside FSDP)
+        a, b = (t.full_tensor() if isinstance(t, DTensor) else t for t in (a, b))
         return w.float() + m.scale * (b.float() @ a.float())
     rows = w.device_mesh.ndim == 1 and w.placements == (Shard(0),) == b.placements
     if rows:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torchtitan_rl.models.lora import place_adapters
 from torchtitan_rl.models.qwen3 import PolicyModel
@@ -23,14 +23,16 @@ def apply_fsdp(model: PolicyModel, device: torch.device, param_dtype: torch.dtyp
     Tied embeddings (the real Qwen3 0.6B-4B) cannot sit in two FSDP groups, so for them the
     embedding, final norm and head share the root group and each block is its own group.
     The same grouping serves a single rank, which torchtitan would leave unwrapped (and so
-    without the mixed-precision policy).
+    without the mixed-precision policy). On a single rank the frozen weights already in
+    `param_dtype` stay plain tensors outside FSDP (`frozen_outside_fsdp`).
     On CPU the gathered weights outlive the forward (see `held_gathered`).
     """
     world = dist.get_world_size()
     reshard = device.type != "cpu"
     if model.model_args.enable_weight_tying or world == 1:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
-        _shard_blocks_and_root(model, mesh, param_dtype, reshard)
+        ignored = frozen_outside_fsdp(model, param_dtype) if world == 1 else set()
+        _shard_blocks_and_root(model, mesh, param_dtype, reshard, ignored)
     else:
         _torchtitan_parallelize(model, device, world, param_dtype, reshard)
     _sum_gradients(model, device)
@@ -143,13 +145,38 @@ def held_gathered(model: PolicyModel) -> Iterator[None]:
             model.set_reshard_after_backward(True)
 
 
-def _shard_blocks_and_root(model: PolicyModel, mesh: DeviceMesh, param_dtype, reshard) -> None:
+def frozen_outside_fsdp(model: nn.Module, param_dtype: torch.dtype) -> set[nn.Parameter]:
+    """One rank: the parameters FSDP leaves alone, those frozen already in `param_dtype`
+    (the [lora] base, a KL reference). FSDP on one rank shards nothing, and its unshard
+    copies each parameter into a buffer of its own, one copy per parameter at every unshard
+    (torch 2.13's world-size-1 path): for a frozen weight in the compute dtype the copy is
+    the weight itself, so the forward reads the weight instead. Same values, same numbers."""
+    return {p for p in model.parameters() if not p.requires_grad and p.dtype == param_dtype}
+
+
+def copy_param_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)` across FSDP's one-rank layouts: a DTensor into a plain tensor (one
+    left outside FSDP, `frozen_outside_fsdp`) copies its full value."""
+    if isinstance(src, DTensor) and not isinstance(dst, DTensor):
+        src = src.full_tensor()
+    dst.copy_(src)
+
+
+def _shard_blocks_and_root(
+    model: PolicyModel, mesh: DeviceMesh, param_dtype, reshard, ignored=frozenset()
+) -> None:
     """One FSDP group per block, the embedding, final norm and head in the root group;
-    `reshard`: free each block's gathered weights after its forward (False on CPU)."""
+    `reshard`: free each block's gathered weights after its forward (False on CPU);
+    `ignored`: parameters left as plain tensors outside FSDP; when there are none,
+    `fully_shard` gets no `ignored_params` (an empty set is another call: FSDP then drops
+    the modules without parameters, attention's, from the modules it marks for Dynamo)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    ignored = set(ignored) or None
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(
+            block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored
+        )
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
 
 
 def _sum_gradients(model: PolicyModel, device: torch.device) -> None:

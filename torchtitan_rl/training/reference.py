@@ -1,13 +1,14 @@
 """The frozen reference policy of the KL penalty (`loss.kl_coef > 0`).
 
 It is a second PolicyModel on every trainer rank, sharded exactly like the policy (same
-FSDP / TP layout), never trained, and kept in the training compute dtype: under bf16 mixed
-precision the policy computes with its fp32 master weights rounded to bf16, so a bf16
-reference gives the same numbers at half the memory of an fp32 copy. Memory per rank:
-parameters x bytes of `training.dtype` / data-parallel ranks (Qwen3-0.6B in bf16: 1.2 GB
-over all ranks). Its log-probs of the loss tokens come from the same fused head as the
-policy's (no [T, V] logits), at the sampling temperature and over the replayed sampling
-support when there is one, so KL compares the same two distributions the loss sees.
+FSDP / TP layout; on one rank its frozen weights are plain tensors), never trained, and
+kept in the training compute dtype: under bf16 mixed precision the policy computes with
+its fp32 master weights rounded to bf16, so a bf16 reference gives the same numbers at
+half the memory of an fp32 copy. Memory per rank: parameters x bytes of `training.dtype`
+/ data-parallel ranks (Qwen3-0.6B in bf16: 1.2 GB over all ranks). Its log-probs of the
+loss tokens come from the same fused head as the policy's (no [T, V] logits), at the
+sampling temperature and over the replayed sampling support when there is one, so KL
+compares the same two distributions the loss sees.
 
 Where its weights come from: `loss.kl_reference` (a Hugging Face folder), else the policy
 as RL starts (`copy_from` at the end of the warm start). Resuming restores it from the
@@ -24,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from torchtitan_rl.models.lora import is_adapter
 from torchtitan_rl.models.qwen3 import ModelConfig, PolicyModel, build_model
+from torchtitan_rl.training.parallelize import copy_param_
 
 
 class ReferencePolicy:
@@ -49,12 +51,13 @@ class ReferencePolicy:
 
     @torch.no_grad()
     def copy_from(self, policy: PolicyModel, *, base_only: bool = False) -> None:
-        """Take the policy's current weights (shards copied in place: same layout);
-        `base_only`: all but the [lora] adapters."""
+        """Take the policy's current weights (shards copied in place: same layout, but
+        on one rank the frozen reference is plain tensors); `base_only`: all but the
+        [lora] adapters."""
         own = dict(self.model.named_parameters())
         for name, param in policy.named_parameters():
             if not (base_only and is_adapter(name)):
-                own[name].copy_(param.detach())
+                copy_param_(own[name], param.detach())
         self.release()
 
     @torch.no_grad()

@@ -33,6 +33,7 @@ from torchtitan_rl.training.parallelize import (
     apply_compile,
     apply_fsdp,
     apply_tp_fsdp,
+    copy_param_,
     held_gathered,
 )
 from torchtitan_rl.training.reference import ReferencePolicy
@@ -124,7 +125,8 @@ class TrainerCore:
     def _shard(self, model: PolicyModel):
         """FSDP (and TP) over the trainer ranks; returns the data-parallel group (None: all).
         FSDP whenever a process group exists, one rank included: it carries the
-        mixed-precision policy (bf16 compute, fp32 master weights and reductions)."""
+        mixed-precision policy (bf16 compute, fp32 master weights and reductions); on one
+        rank the frozen [lora] base stays outside it (`frozen_outside_fsdp`)."""
         if self.distributed and self.tp > 1:
             mesh = apply_tp_fsdp(model, self.device, DTYPES[self.training.dtype], self.tp)
             return mesh["dp"].get_group()
@@ -445,10 +447,10 @@ class _StageTimer:
 @torch.no_grad()
 def _copy_parameters(dst: torch.nn.Module, src: torch.nn.Module) -> None:
     """Every parameter of `src` into `dst`'s parameter of the same name (same sharding:
-    shards copied in place, cast to `dst`'s dtype)."""
+    shards copied in place, cast to `dst`'s dtype; on one rank a frozen base is plain)."""
     own = dict(dst.named_parameters())
     for name, param in src.named_parameters():
-        own[name].copy_(param.detach())
+        copy_param_(own[name], param.detach())
 
 
 def _on_host(parts: list[Metrics]) -> list[Metrics]:
