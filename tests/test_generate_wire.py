@@ -109,3 +109,55 @@ def test_actor_generate_fn_sends_the_prompt_as_bytes():
     got = asyncio.run(ActorGenerateFn(Actor())(prompt, request_id="r"))
     assert got.request_id == "3/0/1/2"
     assert isinstance(sent[0], bytes) and ids_from_wire(sent[0]).tolist() == [11, 12, 13]
+
+
+def test_a_completion_array_of_any_layout_comes_back_as_it_went():
+    ids = np.arange(12, dtype=np.int32)
+    lp = np.linspace(-3, 0, 12).astype(">f4")  # big-endian stays big-endian
+    views = [ids[::3], np.asfortranarray(ids.reshape(3, 4))[:, 1], ids.reshape(3, 4)]
+    for tokens in [*views, np.array(7, np.int32), [1, 2], np.array([None], object)]:
+        c = Completion(request_id="r", token_ids_N=tokens, logprobs_N=lp[::2],
+                       finish_reason=FinishReason.STOP)  # fmt: skip
+        for got in (pickle.loads(pickle.dumps(c)), monarch_pickle(c).unpickle()):
+            assert type(got.token_ids_N) is type(tokens)
+            assert np.array_equal(got.token_ids_N, tokens) and np.shape(got.token_ids_N) == (
+                np.shape(tokens)
+            )
+            assert got.logprobs_N.dtype.str == ">f4" and got.logprobs_N.tobytes() == (
+                lp[::2].tobytes()
+            )
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[1, 2**31], np.array([2**32 + 5, 7]), np.array([2**63 + 5], np.uint64),
+     np.arange(6, dtype=np.int32).reshape(2, 3), np.array(5, np.int32),
+     np.array([1.7, 2.2]), np.array([True, False]), np.array(["1", "2"])],
+)  # fmt: skip
+def test_a_prompt_int32_cannot_hold_exactly_gets_the_engine_s_answer_to_it(prompt):
+    """Sent as is, not cast: the engine answers it as invalid, as when it was never cast."""
+    from torchtitan_rl.generation.interface import request_error
+
+    sent = monarch_pickle(((ids_to_wire(prompt),), {})).unpickle()[0][0]
+    got = request_error(ids_from_wire(sent), SamplingParams(), 64, 1000)
+    assert got is not None and got == request_error(prompt, SamplingParams(), 64, 1000)
+
+
+def test_a_completion_pickled_before_the_wire_format_still_loads():
+    """A checkpoint's pending batches written by earlier code (a slots dataclass's state)."""
+    import copyreg
+    import io
+
+    class OldPickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            if type(obj) in (Completion, SamplingParams):
+                return copyreg.__newobj__, (type(obj),), obj.__getstate__()
+            return NotImplemented
+
+    want = _completions()[0]
+    buffer = io.BytesIO()
+    OldPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((want, SamplingParams(seed=3)))
+    assert b"_completion" not in buffer.getvalue()
+    got, sampling = pickle.loads(buffer.getvalue())
+    _assert_same(got, want)
+    assert sampling == SamplingParams(seed=3)

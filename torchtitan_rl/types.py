@@ -133,12 +133,22 @@ class Completion:
 # generate call's message").
 
 
-def _wire(a: np.ndarray | None) -> tuple[str, bytes] | None:
-    return None if a is None else (a.dtype.str, np.ascontiguousarray(a).tobytes())
+def _wire(a: np.ndarray | None) -> tuple | None:
+    """A 1-D array as (dtype, bytes); anything else (another shape, which bytes would
+    flatten, or not an array) as (itself,), pickled as it was before."""
+    if a is None:
+        return None
+    if type(a) is np.ndarray and a.ndim == 1 and not a.dtype.hasobject:
+        return a.dtype.str, a.tobytes()  # C order, whatever the strides
+    return (a,)
 
 
-def _unwire(w: tuple[str, bytes] | None) -> np.ndarray | None:
-    return None if w is None else np.frombuffer(bytearray(w[1]), np.dtype(w[0]))
+def _unwire(w: tuple | None) -> np.ndarray | None:
+    if w is None:
+        return None
+    if len(w) == 1:
+        return w[0]
+    return np.frombuffer(bytearray(w[1]), np.dtype(w[0]))
 
 
 def _completion(tokens, logprobs, support_ids, support_offsets, *rest) -> Completion:
@@ -161,14 +171,26 @@ def _sampling(*values: Any) -> SamplingParams:
     return SamplingParams(**dict(zip(_SAMPLING_FIELDS, values, strict=True)))
 
 
-def ids_to_wire(ids: np.ndarray) -> bytes:
+_INT32 = np.dtype(np.int32)
+
+
+def ids_to_wire(ids: np.ndarray) -> bytes | np.ndarray:
     """Token ids as the bytes of an int32 array: how a generate call sends its prompt (a
-    numpy array's own pickle costs ~25 us more through Monarch)."""
-    return np.ascontiguousarray(ids, dtype=np.int32).tobytes()
+    numpy array's own pickle costs ~25 us more through Monarch). Only a 1-D integer array
+    whose values int32 holds goes as bytes; anything else goes as is, for the generator to
+    answer with its ERROR completion (a cast would flatten a 2-D prompt, truncate floats
+    and wrap an id of 2**32 + 5 to 5, a valid token)."""
+    if type(ids) is not np.ndarray or ids.ndim != 1:
+        return ids
+    if ids.dtype is _INT32:
+        return ids.tobytes()  # C order, whatever the strides
+    if ids.dtype.kind in "iu" and (ids.size == 0 or (ids.min() >= -(2**31) and ids.max() < 2**31)):
+        return ids.astype(np.int32).tobytes()
+    return ids
 
 
 def ids_from_wire(ids: np.ndarray | bytes) -> np.ndarray:
-    """The int32 ids `ids_to_wire` sent (an array is returned as is), writable."""
+    """The int32 ids `ids_to_wire` sent, writable; what it sent as is comes back as is."""
     return np.frombuffer(bytearray(ids), np.int32) if isinstance(ids, bytes) else ids
 
 
