@@ -119,13 +119,10 @@ def test_a_completion_array_of_any_layout_comes_back_as_it_went():
         c = Completion(request_id="r", token_ids_N=tokens, logprobs_N=lp[::2],
                        finish_reason=FinishReason.STOP)  # fmt: skip
         for got in (pickle.loads(pickle.dumps(c)), monarch_pickle(c).unpickle()):
-            assert type(got.token_ids_N) is type(tokens)
-            assert np.array_equal(got.token_ids_N, tokens) and np.shape(got.token_ids_N) == (
-                np.shape(tokens)
-            )
-            assert got.logprobs_N.dtype.str == ">f4" and got.logprobs_N.tobytes() == (
-                lp[::2].tobytes()
-            )
+            back, back_lp = got.token_ids_N, got.logprobs_N
+            assert type(back) is type(tokens) and np.shape(back) == np.shape(tokens)
+            assert np.array_equal(back, tokens)
+            assert back_lp.dtype.str == ">f4" and back_lp.tobytes() == lp[::2].tobytes()
 
 
 @pytest.mark.parametrize(
