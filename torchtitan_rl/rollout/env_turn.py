@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from torchtitan_rl.envs.base import StepResult
-from torchtitan_rl.types import Message, RolloutStatus
+from torchtitan_rl.types import Message, RolloutStatus, ids_from_wire, ids_to_wire
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -51,7 +51,7 @@ class Turn:
     """env.max_turns assistant turns are taken with this one: nothing is rendered after it."""
 
     def __reduce__(self) -> tuple:  # see _turn
-        ids = _to_bytes(self.completion_ids)
+        ids = ids_to_wire(self.completion_ids)
         return _turn, (ids, self.cut, self.closed, self.index, self.last)
 
 
@@ -73,14 +73,14 @@ class TurnResult:
     def __reduce__(self) -> tuple:  # see _turn
         status = None if self.status is None else self.status.value
         fields = (self.text, self.reply, self.reward_signals, self.error)
-        return _turn_result, (status, *fields, _to_bytes(self.continuation))
+        return _turn_result, (status, *fields, ids_to_wire(self.continuation))
 
 
 # Turn and TurnResult cross a pipe at every turn with env.workers, so they pickle as a tuple
 # with their int32 ids as bytes: a numpy array of 128 ids took 7.4 + 4.9 us to pickle and
 # load on the 2-core VM, its bytes 0.4 us; a slots dataclass adds ~3 us more.
-def _turn(ids: bytes, *fields: Any) -> Turn:
-    return Turn(_from_bytes(ids), *fields)
+def _turn(ids: bytes | np.ndarray, *fields: Any) -> Turn:
+    return Turn(ids_from_wire(ids), *fields)
 
 
 def _turn_result(status: str | None, *fields: Any) -> TurnResult:
@@ -91,16 +91,8 @@ def _turn_result(status: str | None, *fields: Any) -> TurnResult:
         reply=reply,
         reward_signals=reward_signals,
         error=error,
-        continuation=_from_bytes(ids),
+        continuation=ids_from_wire(ids),
     )
-
-
-def _to_bytes(ids: np.ndarray | None) -> bytes | None:
-    return None if ids is None else np.asarray(ids, np.int32).tobytes()
-
-
-def _from_bytes(data: bytes | None) -> np.ndarray | None:
-    return None if data is None else np.frombuffer(data, np.int32)
 
 
 async def take_turn(
