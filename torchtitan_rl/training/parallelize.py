@@ -31,7 +31,7 @@ def apply_fsdp(model: PolicyModel, device: torch.device, param_dtype: torch.dtyp
     reshard = device.type != "cpu"
     if model.model_args.enable_weight_tying or world == 1:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
-        ignored = frozen_outside_fsdp(model, param_dtype) if world == 1 else set()
+        ignored = frozen_outside_fsdp(model, param_dtype) if world == 1 else None
         _shard_blocks_and_root(model, mesh, param_dtype, reshard, ignored)
     else:
         _torchtitan_parallelize(model, device, world, param_dtype, reshard)
@@ -163,7 +163,7 @@ def copy_param_(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _shard_blocks_and_root(
-    model: PolicyModel, mesh: DeviceMesh, param_dtype, reshard, ignored=frozenset()
+    model: PolicyModel, mesh: DeviceMesh, param_dtype, reshard, ignored=None
 ) -> None:
     """One FSDP group per block, the embedding, final norm and head in the root group;
     `reshard`: free each block's gathered weights after its forward (False on CPU);
@@ -171,7 +171,7 @@ def _shard_blocks_and_root(
     `fully_shard` gets no `ignored_params` (an empty set is another call: FSDP then drops
     the modules without parameters, attention's, from the modules it marks for Dynamo)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    ignored = set(ignored) or None
+    ignored = ignored or None
     for block in model.layers.values():
         fully_shard(
             block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored
