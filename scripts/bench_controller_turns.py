@@ -11,8 +11,9 @@ environment steps and scoring, asyncio scheduling. Its replies (`--replies`): "r
 random token ids (what a random-weight policy sends back at `rollout.max_tokens = 128`; the
 environment finds no answer tag in them and scores 0 at once), or "names", the turn's sorted
 names in their tag with the first and last swapped in every other rollout (a trained
-policy's kind of answer: the environment scores it with difflib, as in a real run). Not included: the cost of a call to a
-generator actor (Monarch's message hand-over), which a real run adds per turn.
+policy's kind of answer: the environment scores it with difflib, as in a real run). Not
+included: Monarch's hand-over of a call to a generator actor, which a real run adds per turn
+(`--replica` adds the call's dispatch and message build, below).
 
 `--replica` calls the fake through `ActorGenerateFn` (controller/replica.py) over a fake
 actor, so the rows include that dispatch's own cost and Monarch's message build: the call's
@@ -131,7 +132,8 @@ def run_row(args: argparse.Namespace, rollouts: int, workers: int) -> dict:
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         cpu -= (actor.generator_cpu_s if actor else 0.0) - answered  # the generator's pickling
         done = [r for g in got.groups for r in g.rollouts]
-        assert not any(r.status.is_error() for r in done), done[0].error
+        errors = [r.error for r in done if r.status.is_error()]
+        assert not errors, errors[0]
         return seconds, cpu, len(done), sum(len(r.turns) for r in done)
 
     async def batches() -> tuple[list[tuple[float, float, int, int]], float]:
