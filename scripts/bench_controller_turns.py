@@ -120,7 +120,7 @@ def run_row(args: argparse.Namespace, rollouts: int, workers: int) -> dict:
 
     actor = None
     if args.replica:
-        from torchtitan_rl.controller.replica import ActorGenerateFn
+        from torchtitan_rl.actors.generate_fn import ActorGenerateFn
 
         actor = _FakeActor(reply)
         generate = ActorGenerateFn(actor)

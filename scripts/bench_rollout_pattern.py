@@ -209,9 +209,9 @@ async def run_backend(cfg, placement, args, scratch: Path) -> list[dict]:
     """Spawn the backend's generator(s), run every rollout count, close everything."""
     from monarch.actor import this_host
 
+    from torchtitan_rl.actors.generate_fn import ActorGenerateFn
     from torchtitan_rl.controller.launcher import spawn_generators, stop_meshes
     from torchtitan_rl.controller.processes import kill_leftovers, on_this_machine
-    from torchtitan_rl.controller.replica import ActorGenerateFn
     from torchtitan_rl.envs import build_environment
     from torchtitan_rl.models.renderer import Renderer
     from torchtitan_rl.models.tokenizer import Tokenizer

@@ -174,6 +174,17 @@ async def _until(condition) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _serving(fleet, index: int) -> bool:
+    """Whether replica `index` has calls in flight: the controller's, or (rollout.processes)
+    a rollout process's."""
+    if fleet.replicas[index].fn.in_flight:
+        return True
+    if fleet.rollout is None:
+        return False
+    counts = await asyncio.gather(*(a.routed.call_one() for a in fleet.rollout.actors))
+    return any(c["in_flight"][index] for c in counts)
+
+
 def _run(config, kill_at_step=None):
     """Run to the end; with `kill_at_step`, SIGKILL replica 1's process while it serves
     requests of that RL step. Returns (scalars per tag, the fleet)."""
@@ -188,7 +199,7 @@ def _run(config, kill_at_step=None):
         ):
             await asyncio.sleep(0.005)
         pid = await fleet.replicas[1].actor.pid.call_one()
-        while not fleet.replicas[1].fn.in_flight:
+        while not await _serving(fleet, 1):
             await asyncio.sleep(0.001)
         os.kill(pid, signal.SIGKILL)
         return pid
@@ -220,17 +231,24 @@ def _run(config, kill_at_step=None):
 
 
 @pytest.mark.slow
-def test_a_replica_killed_mid_step_is_survived_and_the_run_replays_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_replica_killed_mid_step_is_survived_and_the_run_replays_bit_for_bit(tmp_path, processes):
+    """Also with the rollouts played in 2 rollout processes, which call the replicas
+    themselves and are told of the death and the rejoin by the fleet."""
     from test_resume import tiny_config
 
     from torchtitan_rl.controller.processes import started
 
-    straight, _, _ = _run(tiny_config(tmp_path, "straight", *FAILOVER))
-    killed, fleet, pid = _run(tiny_config(tmp_path, "killed", *FAILOVER), kill_at_step=2)
+    flags = (*FAILOVER, f"--rollout.processes={processes}")
+    straight, _, _ = _run(tiny_config(tmp_path, "straight", *flags))
+    killed, fleet, pid = _run(tiny_config(tmp_path, "killed", *flags), kill_at_step=2)
     assert sum(killed["generator/requests_rerouted"].values()) >= 1
     assert min(killed["generator/replicas_alive"].values()) == 1.0  # down after step 2
     assert killed["generator/replicas_alive"][4] == 2.0  # restarted, rejoined at step 4's sync
     assert straight["generator/replicas_alive"] == {s: 2.0 for s in range(1, 7)}
+    # the rejoined replica takes calls again (with processes: they were told it is up)
+    assert killed["generator/routed_calls_max_over_mean"][5] < 2.0  # (step 6's batch came
+    # before step 5's report: no call is reported at step 6)
     tags = [t for t in straight if not any(c in t for c in CLOCK_TAGS)]
     tags = [t for t in tags if not t.startswith("generator/")]
     assert {"rollout_reward/mean", "loss/mean", "trainer/grad_norm"} <= set(tags)
@@ -273,7 +291,7 @@ def test_replicas_restarted_while_none_is_up_get_weights_and_take_calls(tmp_path
     itself once restarted."""
     import contextvars
 
-    from torchtitan_rl.controller.replica import ActorGenerateFn
+    from torchtitan_rl.actors.generate_fn import ActorGenerateFn
     from torchtitan_rl.controller.replica import Replica as FleetReplica
 
     fleet, supervisor = _fleet(tmp_path)

@@ -10,7 +10,7 @@ import pytest
 from fakes import MonarchLikeCall
 from monarch._rust_bindings.monarch_hyperactor.pickle import pickle as monarch_pickle
 
-from torchtitan_rl.controller.replica import ActorGenerateFn
+from torchtitan_rl.actors.generate_fn import ActorGenerateFn
 from torchtitan_rl.types import (
     Completion,
     FinishReason,

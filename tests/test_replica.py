@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from fakes import MonarchLikeCall
 
-from torchtitan_rl.controller.replica import ActorGenerateFn
+from torchtitan_rl.actors.generate_fn import ActorGenerateFn
 from torchtitan_rl.rollout.router import ReplicaDown
 
 

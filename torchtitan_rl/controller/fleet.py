@@ -32,16 +32,12 @@ import logging
 import time
 from pathlib import Path
 
+from torchtitan_rl.actors.generate_fn import ActorGenerateFn, is_death
 from torchtitan_rl.config import Config
 from torchtitan_rl.controller.launcher import Meshes, spawn_generator
 from torchtitan_rl.controller.processes import on_this_machine
-from torchtitan_rl.controller.replica import (
-    ActorGenerateFn,
-    Replica,
-    is_death,
-    parse_replica_name,
-    replica_name,
-)
+from torchtitan_rl.controller.replica import Replica, parse_replica_name, replica_name
+from torchtitan_rl.controller.rollout_processes import RolloutProcesses
 from torchtitan_rl.controller.supervision import PEER_REPORT_WAIT_S, Supervisor
 from torchtitan_rl.generation.backends import traits
 from torchtitan_rl.rollout.router import Router
@@ -79,6 +75,9 @@ class GeneratorFleet:
         self.router: Router | None = None
         self.generate_fn: GenerateFn | None = None
         """What the Rollouter calls: the router over the replicas, or the one replica."""
+        self.rollout = None
+        """The rollout processes (controller/rollout_processes.py), when rollout.processes
+        >= 1: told of every death and rejoin; their routing is reported with the router's."""
         self.weight_sync: WeightSync | None = None
         self.version: int | None = None
         """The policy version the last sync delivered."""
@@ -111,7 +110,18 @@ class GeneratorFleet:
 
     @property
     def actors(self) -> list:
-        return [r.actor for r in self.replicas]
+        """The replicas' actors, then the rollout processes' (rollout.processes)."""
+        return [r.actor for r in self.replicas] + self._rollout_actors
+
+    @property
+    def _rollout_actors(self) -> list:
+        return list(self.rollout.actors) if self.rollout is not None else []
+
+    @property
+    def play_group(self):
+        """What plays a group of the step (`Rollouter.collect_batch`): the rollout
+        processes' `play_group`, or None (the controller's loop plays it)."""
+        return self.rollout.play_group if self.rollout is not None else None
 
     # ---- start ------------------------------------------------------------------------
     async def start(self, meshes: Meshes, trainer, run_dir: Path) -> None:
@@ -127,6 +137,9 @@ class GeneratorFleet:
         if len(fns) > 1:
             self.router = Router(fns, on_down=self._on_down)
         self.generate_fn = self.router or fns[0]
+        if self.config.rollout.processes:
+            self.rollout = RolloutProcesses(self.config, self.log_dir)
+            await self.rollout.start(self)
         if self.survives:
             self.supervisor.survive = self.survive
 
@@ -174,8 +187,8 @@ class GeneratorFleet:
 
     @property
     def live_actors(self) -> list:
-        """The actors of the replicas that are up."""
-        return [r.actor for r in self.replicas if r.up]
+        """The actors of the replicas that are up, then the rollout processes'."""
+        return [r.actor for r in self.replicas if r.up] + self._rollout_actors
 
     # ---- weights ------------------------------------------------------------------------
     async def sync(self) -> float:
@@ -243,6 +256,8 @@ class GeneratorFleet:
         replica.joining, replica.up = False, True
         if self.router is not None:
             self.router.set_up(replica.index)
+        if self.rollout is not None:
+            self.rollout.replica_up(replica.index, replica.actor, replica.name)
         self._cancel_all_down()
         logger.warning(
             "%s rejoined after %.0f s, at policy version %s",
@@ -282,6 +297,8 @@ class GeneratorFleet:
         moved = len(replica.fn.in_flight)
         if self.router is not None:
             self.router.set_down(index)
+        if self.rollout is not None:
+            self.rollout.replica_down(index)
         alive = sum(r.up for r in self.replicas)
         logger.warning(
             "%s died%s; %d request(s) in flight go to the %d live replica(s); restarting it",
@@ -357,19 +374,28 @@ class GeneratorFleet:
         )
 
     # ---- reports ------------------------------------------------------------------------
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, more: tuple[list[int], list[int], int] | None = None) -> dict[str, float]:
         """generator/replicas_alive now, and generator/requests_rerouted since the last
         call (0 with one replica); with several replicas, how evenly the calls since the
         last call were spread: the busiest replica's calls and call cost (prompt +
-        max_tokens) over the mean of the replicas (1.0 = even)."""
-        rerouted = self.router.rerouted if self.router is not None else 0
+        max_tokens) over the mean of the replicas (1.0 = even). `more`: the rollout
+        processes' counters since start (calls, cost per replica; rerouted), added to the
+        router's."""
+        router = self.router
+        calls = list(router.routed) if router is not None else []
+        tokens = list(router.routed_tokens) if router is not None else []
+        rerouted = router.rerouted if router is not None else 0
+        if more is not None and more[0]:
+            calls = [a + b for a, b in zip(calls, more[0], strict=True)]
+            tokens = [a + b for a, b in zip(tokens, more[1], strict=True)]
+            rerouted += more[2]
         since, self._rerouted_reported = rerouted - self._rerouted_reported, rerouted
         out = {
             "generator/replicas_alive": float(sum(r.up for r in self.replicas)),
             "generator/requests_rerouted": float(since),
         }
-        if self.router is not None and len(self.replicas) > 1:
-            now = (list(self.router.routed), list(self.router.routed_tokens))
+        if router is not None and len(self.replicas) > 1:
+            now = (calls, tokens)
             last = self._routed_reported or ([0] * len(now[0]), [0] * len(now[1]))
             self._routed_reported = now
             for tag, new_counts, old_counts in (
@@ -383,7 +409,8 @@ class GeneratorFleet:
 
     async def step_metrics(self) -> dict[str, float]:
         """`metrics()` and `engine_metrics()`, for a step's report."""
-        return {**self.metrics(), **await self.engine_metrics()}
+        more = await self.rollout.routed() if self.rollout is not None else None
+        return {**self.metrics(more), **await self.engine_metrics()}
 
     async def engine_metrics(self) -> dict[str, float]:
         """What the engines of the replicas that are up did since the last call (first
@@ -421,6 +448,8 @@ class GeneratorFleet:
     async def activity(self) -> str:
         """What every replica is doing, for a step that waited too long for its batch."""
         phrases = [r.fn.activity() for r in self.replicas]
+        if self.rollout is not None:
+            return "; ".join([*phrases, *await self.rollout.activity()])
         if not any(r.fn.in_flight for r in self.replicas):
             phrases.append(
                 "so the rollouts wait on the environment (env.step_timeout_s="
@@ -435,6 +464,8 @@ class GeneratorFleet:
         for task in list(self.restarts):
             task.cancel()
         await asyncio.gather(*self.restarts, return_exceptions=True)
+        if self.rollout is not None:
+            await self.rollout.close()
         for replica in self.replicas:
             if not (replica.up or replica.joining):
                 continue

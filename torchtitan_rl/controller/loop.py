@@ -25,13 +25,11 @@ from torchtitan_rl.controller.fleet import GeneratorFleet
 from torchtitan_rl.controller.hosts import launch, stop_all
 from torchtitan_rl.controller.launcher import Meshes, spawn_trainer
 from torchtitan_rl.controller.metrics import MetricsLogger
-from torchtitan_rl.controller.processes import (
-    kill_leftovers,
-    record_processes,
-)
+from torchtitan_rl.controller.processes import kill_leftovers, record_processes
 from torchtitan_rl.controller.progress import progress_bar, rl_postfix
 from torchtitan_rl.controller.replica import replica_name
 from torchtitan_rl.controller.report import StepReport, StepReporter
+from torchtitan_rl.controller.rollout_processes import process_names
 from torchtitan_rl.controller.run_lock import RunLock
 from torchtitan_rl.controller.summary import SUMMARY_TAGS
 from torchtitan_rl.controller.supervision import Supervisor
@@ -85,7 +83,8 @@ class Controller:
         self.log_dir = self.run_dir / "logs"
         """Where a process killed by a signal leaves its Python stacks (actors/fault_log.py)."""
         replicas = [replica_name(i) for i in range(config.generator.num_replicas)]
-        self.supervisor = Supervisor(("trainer", *replicas), self.log_dir)
+        rollout = process_names(config.rollout.processes)
+        self.supervisor = Supervisor(("trainer", *replicas, *rollout), self.log_dir)
         self.fleet = GeneratorFleet(
             config, self.supervisor, vocab_size=self.tokenizer.vocab_size, log_dir=self.log_dir
         )
@@ -217,7 +216,8 @@ class Controller:
     async def _collect(self, step: int) -> CollectedBatch:
         """The batch of `step` (run by the pipeline, possibly while earlier steps train)."""
         draw = functools.partial(self.ledger.draw, step)
-        return await self.rollouter.collect_batch(step, 0, self.fleet.generate_fn, draw=draw)
+        play, fn = self.fleet.play_group, self.fleet.generate_fn
+        return await self.rollouter.collect_batch(step, 0, fn, draw=draw, play_group=play)
 
     async def rl_step(self, step: int) -> dict[str, float]:
         """generate -> score -> pack + train -> sync -> report; returns the step's scalars.

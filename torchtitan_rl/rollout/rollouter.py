@@ -14,11 +14,12 @@ is beyond +-REWARD_BOUND (1e6) is such an error (ERROR_REWARD).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import math
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -53,6 +54,8 @@ REWARD_BOUND = 1e6
 it the rollout is ERROR_REWARD, like a NaN. Rewards are O(1) in every recipe, so a score
 this large is taken for a bug in the reward function; the bound also keeps every mean
 over rollouts finite (a reward of 1e308 made the step's mean overflow to inf)."""
+PlayGroup = Callable[..., Awaitable[RolloutGroup]]
+"""`play_group(sample, *, group_id, step)`: one group played and scored."""
 REFILL_MAX_FACTOR = 4
 """A refill round samples at most this many times the groups still missing."""
 
@@ -128,6 +131,12 @@ class RolloutConfig:
     every rollout errored (a reward function that always raises, an environment that always
     fails) or was scored 0 by a scorer that raised on it (`envs.base.WrongAnswer`): such a run
     trains on nothing. >= 0; 0 never stops."""
+    processes: int = 0
+    """Processes that play the training rollouts, each with its own environment, tokenizer
+    and env.workers, routing its turns over every generator replica (>= 0); 0: the
+    controller's own event loop. At hundreds of concurrent multi-turn rollouts one loop
+    cannot feed several generator GPUs (docs/benchmarks.md, "The controller's turn rate").
+    Validation runs on the controller either way."""
     batch_timeout_s: float = 1800.0
     """Seconds a step waits for its batch before the run stops with one line saying what the
     generators were doing (> 0); a slow or stuck environment ends the run, never hangs it."""
@@ -141,6 +150,7 @@ class RolloutConfig:
                 f"validation is greedy by itself), got {self.temperature}"
             )
         check_range("rollout.max_staleness", self.max_staleness, ge=0)
+        check_range("rollout.processes", self.processes, ge=0)
         check_range("rollout.batch_timeout_s", self.batch_timeout_s, gt=0)
         check_range("rollout.max_sampling_rounds", self.max_sampling_rounds, ge=0)
         check_range("rollout.max_error_steps", self.max_error_steps, ge=0)
@@ -401,6 +411,7 @@ class Rollouter:
         generate_fn: GenerateFn,
         *,
         draw: Callable[[int], list[int]] | None = None,
+        play_group: PlayGroup | None = None,
     ) -> CollectedBatch:
         """Sample prompts until `prompts_per_step` groups survive filtering.
 
@@ -410,9 +421,13 @@ class Rollouter:
         `max_sampling_rounds` refill rounds, or (1 + max_sampling_rounds) * prompts_per_step
         groups, it warns and returns what it has, which may be fewer groups or none at all.
         Each round's prompts are `draw(n)` (a PromptLedger's), or the next consecutive
-        indices from `next_sample_index` without one.
+        indices from `next_sample_index` without one. Each group is played by
+        `play_group(sample, group_id=, step=)` (the rollout processes'), or here through
+        `generate_fn` without one.
         """
         cfg = self._config
+        if play_group is None:
+            play_group = functools.partial(self.run_group_rollouts, generate_fn=generate_fn)
         kept: list[RolloutGroup] = []
         sampled: list[RolloutGroup] = []
         index = next_sample_index
@@ -436,9 +451,7 @@ class Rollouter:
             samples = [draw_train_sample(self._environment, i) for i in indices]
             groups = await asyncio.gather(
                 *(
-                    self.run_group_rollouts(
-                        sample, generate_fn, group_id=first_group + i, step=step
-                    )
+                    play_group(sample, group_id=first_group + i, step=step)
                     for i, sample in enumerate(samples)
                 )
             )

@@ -1,0 +1,135 @@
+"""rollout.processes: the step's groups played in rollout processes that call the generator
+replicas themselves (actors/rollout.py, controller/rollout_processes.py)."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from test_failover import CLOCK_TAGS, _fleet
+from test_failover import Replica as FakeGenerateFn
+from test_fleet_metrics import _Actor, _replicas
+
+from torchtitan_rl.config import ConfigError, load_config
+from torchtitan_rl.controller.rollout_processes import RolloutProcesses, process_names
+from torchtitan_rl.rollout.router import Router
+
+SHAPE = (
+    "--generator.num_replicas=2",
+    "--generator.batch_invariant=true",
+    "--parallelism.trainer_procs=1",
+    "--rollout.prompts_per_step=4",
+    "--training.steps=3",
+    "--checkpoint.interval=0",
+)
+
+
+def _run(config):
+    """Run to the end; returns (scalars per tag, each rollout process's routing counters
+    read before the run closed)."""
+    from torchtitan_rl.controller.loop import Controller
+
+    controller = Controller(config, use_tqdm=False)
+    counters = []
+
+    async def go():
+        try:
+            await controller.run()
+            if controller.fleet.rollout is not None:
+                for actor in controller.fleet.rollout.actors:
+                    counters.append(await actor.routed.call_one())
+        finally:
+            await controller.close()
+
+    asyncio.run(go())
+    return {tag: dict(s) for tag, s in controller.metrics.history.items()}, counters
+
+
+@pytest.mark.slow
+def test_groups_played_in_two_processes_train_the_same_run_bit_for_bit(tmp_path):
+    from test_resume import tiny_config
+
+    on_loop, none = _run(tiny_config(tmp_path, "loop", *SHAPE))
+    in_procs, counters = _run(tiny_config(tmp_path, "procs", *SHAPE, "--rollout.processes=2"))
+    assert none == []
+    # each process played its share and sent turns to both replicas
+    assert len(counters) == 2 and all(min(c["calls"]) > 0 for c in counters)
+    assert all(c["in_flight"] == [0, 0] for c in counters)  # nothing left waiting
+    # ...and the controller reports their routing as the router's
+    assert in_procs["generator/routed_calls_max_over_mean"]
+    tags = [t for t in on_loop if not any(c in t for c in CLOCK_TAGS)]
+    tags = [t for t in tags if not t.startswith("generator/")]  # how the engines were fed
+    assert {"rollout_reward/mean", "loss/mean", "trainer/grad_norm"} <= set(tags)
+    for tag in tags:
+        assert on_loop[tag] == in_procs[tag], tag
+
+
+def test_the_rollout_processes_routing_is_reported_with_the_routers(tmp_path):
+    fleet, _ = _fleet(tmp_path)
+    _replicas(fleet, _Actor(), _Actor())
+    fleet.router = Router([FakeGenerateFn(0), FakeGenerateFn(1)])
+    asyncio.run(fleet.router(np.zeros(3, np.int32), request_id="validation"))  # replica 0
+    out = fleet.metrics(([1, 5], [10, 50], 2))  # the processes: 1 and 5 calls, 2 rerouted
+    assert out["generator/routed_calls_max_over_mean"] == 5 * 2 / 7
+    # replica 0: the validation call (3 prompt + 64 max_tokens) and the processes' 10
+    assert out["generator/routed_tokens_max_over_mean"] == (10 + 67) * 2 / (10 + 67 + 50)
+    assert out["generator/requests_rerouted"] == 2.0
+    out = fleet.metrics(([1, 7], [10, 70], 3))  # counters since start: 2 more calls, 1 more
+    assert out["generator/routed_calls_max_over_mean"] == 2.0
+    assert out["generator/requests_rerouted"] == 1.0
+
+
+class _Endpoint:
+    def __init__(self, log, name, answer=None):
+        self.log, self.name, self.answer = log, name, answer
+
+    async def call_one(self, *args):
+        self.log.append((self.name, args))
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+
+class _RolloutActor:
+    def __init__(self, log, routed):
+        for name in ("replica_down", "replica_up", "play_group", "close"):
+            setattr(self, name, _Endpoint(log, name, answer=name))
+        self.routed = _Endpoint(log, "routed", answer=routed)
+
+
+def test_groups_go_round_robin_deaths_reach_every_process_and_counters_add_up(tmp_path):
+    fleet, _ = _fleet(tmp_path, "--rollout.processes=2")
+    logs = [[], []]
+    procs = RolloutProcesses(fleet.config, tmp_path)
+    procs.actors = [
+        _RolloutActor(logs[0], {"calls": [1, 2], "tokens": [10, 20], "rerouted": [1]}),
+        _RolloutActor(logs[1], RuntimeError("gone")),  # a process that does not answer
+    ]
+    assert procs.names == process_names(2) == ("rollout0", "rollout1")
+
+    async def go():
+        played = [await procs.play_group({"s": g}, group_id=g, step=4) for g in (0, 1, 2)]
+        procs.replica_down(1)
+        procs.replica_up(1, "actor", "generator1_r1")
+        await asyncio.sleep(0)  # the tells are not awaited by the fleet
+        return played, await procs.routed()
+
+    played, routed = asyncio.run(go())
+    assert played == ["play_group"] * 3
+    assert [args for name, args in logs[0] if name == "play_group"] == [
+        ({"s": 0}, 0, 4), ({"s": 2}, 2, 4)
+    ]  # fmt: skip
+    assert [args for name, args in logs[1] if name == "play_group"] == [({"s": 1}, 1, 4)]
+    for log in logs:
+        assert [(n, a) for n, a in log if n.startswith("replica_")] == [
+            ("replica_down", (1,)), ("replica_up", (1, "actor", "generator1_r1"))
+        ]  # fmt: skip
+    assert routed == ([1, 2], [10, 20], 1)  # the silent process is left out
+
+
+def test_a_negative_number_of_processes_is_one_line_naming_the_key(tmp_path):
+    from test_resume import ROOT
+
+    with pytest.raises((ConfigError, ValueError), match=r"rollout\.processes"):
+        load_config(
+            ROOT / "train_configs" / "alphabet_sort_tiny.toml", ["--rollout.processes=-1"]
+        ).validate()
