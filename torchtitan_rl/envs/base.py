@@ -50,8 +50,9 @@ class EnvConfig:
     and back). There, init and step are bounded by step_timeout_s as on the loop, and a
     call stuck past step_timeout_s + 1 s (a step that holds its thread, a turn's tokenizing,
     a score) kills its worker (replaced) and errors only its own rollout. An env that waits
-    on I/O with `await` gains nothing from it. Measured in docs/benchmarks.md (env steps,
-    the controller's turn rate)."""
+    on I/O with `await` gains nothing from it. With rollout.processes = K, each rollout
+    process has N workers of its own (K * N in all). Measured in docs/benchmarks.md (env
+    steps, the controller's turn rate)."""
     args: dict[str, Any] = field(default_factory=dict)
     """The environment's own settings (TOML table [env.args], overrides --env.args.key=v),
     checked against its `config_class`; unset keys keep that dataclass's defaults."""
