@@ -104,14 +104,37 @@ class WhereRenderer(FakeRenderer):
 
 class DiesParsingRenderer(PickyRenderer):
     """A PickyRenderer whose process dies, in an env worker, parsing what it cannot parse
-    (as a worker killed mid-parse); in the process that made it, it raises as PickyRenderer."""
+    (as a native tokenizer crashing, or a worker killed mid-parse); in the process that made
+    it (the controller) it raises RuntimeError on it: that parse must never run there."""
 
     def __init__(self):
         self.home_pid = os.getpid()
 
     def parse_completion(self, token_ids: np.ndarray) -> str:
-        if os.getpid() != self.home_pid and any(int(t) > IM_END for t in token_ids):
-            os._exit(3)
+        if any(int(t) > IM_END for t in token_ids):
+            if os.getpid() != self.home_pid:
+                os._exit(3)
+            raise RuntimeError("parsed again on the controller's event loop")
+        return super().parse_completion(token_ids)
+
+
+UNDECODABLE = 301
+"""A token FussyRenderer's decoding raises KeyError on."""
+
+
+class FussyRenderer(FakeRenderer):
+    """A FakeRenderer whose decoding raises KeyError on UNDECODABLE (as a tokenizer's id
+    lookup) and whose encoding raises RuntimeError on a message holding pool_envs.UNENCODABLE
+    (as a tokenizer refusing a special token's text)."""
+
+    def _message(self, message: Message) -> list[int]:
+        if "<unencodable>" in message["content"]:
+            raise RuntimeError(f"cannot encode {message['content']!r}")
+        return super()._message(message)
+
+    def parse_completion(self, token_ids: np.ndarray) -> str:
+        if any(int(t) == UNDECODABLE for t in token_ids):
+            raise KeyError(UNDECODABLE)
         return super().parse_completion(token_ids)
 
 

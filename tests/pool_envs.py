@@ -23,6 +23,9 @@ from torchtitan_rl.envs.base import (
 )
 from torchtitan_rl.types import Message, Rollout
 
+UNENCODABLE = "<unencodable>"
+"""Text FussyRenderer (fake_renderer.py) refuses to encode."""
+
 PLANS = (
     "ok",  # three turns, reward = number of turns / 10
     "init_raises",
@@ -36,6 +39,10 @@ PLANS = (
     "reward_nan",
     "step_raises_timeout",  # its own TimeoutError (a client's deadline), at once
     "step_hangs_holding_a_task",  # awaits a task kept on the env, past env.step_timeout_s
+    "prompt_unencodable",  # its first message holds UNENCODABLE
+    "reply_unencodable",  # its second reply holds UNENCODABLE
+    "completion_undecodable",  # the tests' generator answers its second turn with UNDECODABLE
+    "signals_not_a_dict",  # on the second turn
 )
 HANG_S = 600.0
 """Far longer than any test's step_timeout_s: only the timeout ends such a step."""
@@ -50,7 +57,8 @@ class PlanEnv(MessageEnv):
     async def init(self) -> list[Message]:
         if self.plan == "init_raises":
             raise KeyError("no such puzzle")
-        return [{"role": "user", "content": f"plan {self.plan}"}]
+        mark = UNENCODABLE if self.plan == "prompt_unencodable" else ""
+        return [{"role": "user", "content": f"plan {self.plan}{mark}"}]
 
     async def step(self, assistant_message: str) -> StepResult:
         self.turn += 1
@@ -70,7 +78,10 @@ class PlanEnv(MessageEnv):
                 os._exit(3)
             if self.plan == "not_a_step_result":
                 return "done"  # type: ignore[return-value]
-        reply = [{"role": "user", "content": f"turn {self.turn} of {assistant_message}"}]
+            if self.plan == "signals_not_a_dict":
+                return StepResult(messages=[], done=False, reward_signals=None)  # type: ignore[arg-type]
+        mark = UNENCODABLE if self.plan == "reply_unencodable" and self.turn == 2 else ""
+        reply = [{"role": "user", "content": f"turn {self.turn} of {assistant_message}{mark}"}]
         done = self.turn == 3
         return StepResult(messages=[] if done else reply, done=done, reward_signals={"t": 1.0})
 

@@ -18,9 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fake_renderer import (
+    IM_END,
     STUCK,
+    UNDECODABLE,
     BreaksLaterRenderer,
     DiesParsingRenderer,
+    FussyRenderer,
     HangsParsingRenderer,
     PickyRenderer,
     WhereRenderer,
@@ -203,8 +206,9 @@ def _outcomes(workers, plans):
     )
     prompts = [PLANS.index(p) for p in plans]
     environment = PlanEnvironment(env_config, seed=0)
-    rollouter = rollouter_for(environment, env_config, prompts_per_step=len(prompts))
-    groups = collect(rollouter, ScriptedGenerate(lambda call: "ok"), prompts)
+    renderer = FussyRenderer()
+    rollouter = rollouter_for(environment, env_config, renderer, prompts_per_step=len(prompts))
+    groups = collect(rollouter, ScriptedGenerate(_ok_or_undecodable), prompts)
     return {
         PLANS[g.sample_index]: [
             (r.status, r.error, (r.error_details or "").strip().split("\n")[-1], r.reward,
@@ -213,6 +217,15 @@ def _outcomes(workers, plans):
         ]
         for g in groups
     }  # fmt: skip
+
+
+def _ok_or_undecodable(call):
+    """A completion FussyRenderer cannot decode on plan completion_undecodable's
+    second turn, else "ok"."""
+    prompt = bytes(int(t) for t in call.prompt_ids if t < 256)
+    if b"plan completion_undecodable" in prompt and call.request_id.endswith("/turn=1"):
+        return make_completion([111, UNDECODABLE, IM_END], request_id=call.request_id)
+    return "ok"
 
 
 @pytest.fixture
@@ -238,6 +251,10 @@ def test_failures_become_the_same_error_rollouts_in_workers():
         "reward_nan": RolloutStatus.ERROR_REWARD,
         "step_raises_timeout": RolloutStatus.ERROR_ENV,
         "step_hangs_holding_a_task": RolloutStatus.ERROR_TIMEOUT,
+        "prompt_unencodable": RolloutStatus.ERROR_ENV,
+        "reply_unencodable": RolloutStatus.ERROR_ENV,
+        "completion_undecodable": RolloutStatus.ERROR_PARSE,
+        "signals_not_a_dict": RolloutStatus.ERROR_ENV,
     }
     assert in_workers["ok"][0][3] == pytest.approx(0.3)
     assert in_workers["step_raises"][0][1] == "ValueError: cannot parse 'ok'"
@@ -253,6 +270,52 @@ def test_failures_become_the_same_error_rollouts_in_workers():
     assert (
         in_workers["step_hangs_holding_a_task"][0][1] == "env.step exceeded env.step_timeout_s=2.0"
     )
+
+
+RENDERER_FAILURES = {
+    "prompt_unencodable": (
+        "FussyRenderer.render_prompt raised RuntimeError: "
+        "cannot encode 'plan prompt_unencodable<unencodable>'",
+        0,
+        [],
+    ),
+    "reply_unencodable": (  # the text and the env's reply kept
+        "FussyRenderer.render_continuation (turn 1) raised RuntimeError: "
+        "cannot encode 'turn 2 of ok<unencodable>'",
+        2,
+        ["user", "assistant", "user", "assistant", "user"],
+    ),
+    "completion_undecodable": (  # no text: the completion did not decode
+        "FussyRenderer.parse_completion (turn 1) raised KeyError: 301",
+        2,
+        ["user", "assistant", "user"],
+    ),
+    "signals_not_a_dict": (
+        "PlanEnv.step (turn 1) gave reward_signals None; expected a dict of floats",
+        2,
+        ["user", "assistant", "user", "assistant"],
+    ),
+}
+"""Plan: (error line, turns kept, message roles), on the loop as in a worker."""
+
+
+def test_a_renderer_that_raises_errors_one_rollout_and_keeps_its_worker(caplog):
+    """A tokenizer raising something other than ValueError (decoding a completion, encoding
+    a prompt or a reply), or an env's malformed reward_signals, errors that rollout with a
+    line naming the exception; the others finish, on the loop as in one worker, which lives
+    on (no worker died and was replaced)."""
+    plans = [*RENDERER_FAILURES, "ok"]
+    with caplog.at_level(logging.WARNING, logger="torchtitan_rl.rollout.env_workers"):
+        on_loop, in_worker = _outcomes(0, plans), _outcomes(1, plans)
+    assert in_worker == on_loop
+    assert [r.getMessage() for r in caplog.records] == []
+    for plan, (error, turns, roles) in RENDERER_FAILURES.items():
+        for row in in_worker[plan]:
+            assert row[1] == error and row[3] == 0.0
+            assert (row[6], [m["role"] for m in row[7]]) == (turns, roles)
+    assert in_worker["completion_undecodable"][0][2] == "KeyError: 301"  # the traceback's end
+    assert in_worker["reply_unencodable"][0][2].startswith("RuntimeError: cannot encode")
+    assert [row[0] for row in in_worker["ok"]] == [RolloutStatus.COMPLETED] * 2
 
 
 @pytest.mark.parametrize("workers", [1, 2])  # 1: calls sent behind a stuck one run after it
@@ -492,28 +555,26 @@ def test_calls_bigger_than_the_pipe_wait_for_an_idle_worker_instead_of_deadlocki
     assert run.stdout.split() == ["completed", "completed"]
 
 
-def test_a_worker_that_dies_parsing_errors_its_rollout_as_the_loop_does():
-    """The worker dies (as if killed) parsing a completion that cannot be parsed: the
-    rollout ends ERROR_PARSE, as on the event loop, and the batch goes on."""
+def test_a_worker_that_dies_parsing_errors_its_rollout_and_the_loop_never_parses_it():
+    """The worker dies (as a native tokenizer crashing) parsing a completion: the rollout
+    ends ERROR_ENV with the death's line and without the turn's text, as a killed turn does;
+    the completion is not parsed again on the event loop (where it could crash, raise or
+    hang the controller: DiesParsingRenderer raises there), and the batch goes on."""
+    env_config = EnvConfig(max_turns=2, max_rollout_tokens=1000, workers=1)
+    environment = PlanEnvironment(env_config, seed=0)
+    rollouter = rollouter_for(environment, env_config, DiesParsingRenderer(), prompts_per_step=1)
 
-    def outcomes(workers, renderer):
-        env_config = EnvConfig(max_turns=2, max_rollout_tokens=1000, workers=workers)
-        environment = PlanEnvironment(env_config, seed=0)
-        rollouter = rollouter_for(environment, env_config, renderer, prompts_per_step=1)
+    def respond(call):
+        bad = call.request_id.endswith("rollout=1/turn=0")
+        return make_completion([111, 300 if bad else 107, 257], request_id=call.request_id)
 
-        def respond(call):
-            bad = call.request_id.endswith("rollout=1/turn=0")
-            return make_completion([111, 300 if bad else 107, 257], request_id=call.request_id)
-
-        rollouts = collect(rollouter, ScriptedGenerate(respond), [0])[0].rollouts
-        return [(r.status, r.error, r.messages, len(r.turns), r.reward) for r in rollouts]
-
-    on_loop, in_workers = outcomes(0, PickyRenderer()), outcomes(1, DiesParsingRenderer())
-    assert in_workers == on_loop
-    assert [row[:2] for row in in_workers] == [
-        (RolloutStatus.TRUNCATED_TURNS, None),
-        (RolloutStatus.ERROR_PARSE, "ValueError: token 300 is not in the vocabulary"),
-    ]
+    ok, died = collect(rollouter, ScriptedGenerate(respond), [0])[0].rollouts
+    assert (ok.status, ok.error, len(ok.turns)) == (RolloutStatus.TRUNCATED_TURNS, None, 2)
+    assert died.status is RolloutStatus.ERROR_ENV and died.reward == 0.0
+    assert died.error.startswith("an env worker process (pid ")
+    assert died.error.endswith(") died, exit code 3 during this call")
+    assert died.messages == [{"role": "user", "content": "plan ok"}]  # no assistant text
+    assert len(died.turns) == 1 and died.turns[0].assistant_text == ""  # its tokens kept
     assert multiprocessing.active_children() == []
 
 

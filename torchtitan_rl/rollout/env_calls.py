@@ -12,13 +12,16 @@ encoded) and `score`. Both report the same outcomes, so a rollout errors the sam
 its env ran:
 
     the call returned                 -> (env, value); a worker returns its copy of the env
-    env.step took over step_timeout_s -> a TurnResult, status ERROR_TIMEOUT, with the parsed
-                                         text and "env.step exceeded env.step_timeout_s=30.0"
+    a turn failed (env.step raised or -> a TurnResult with its error status, text and line
+      took over step_timeout_s, the      (rollout/env_turn.py)
+      renderer raised)
     env.init took over it             -> TimeoutError("env.init exceeded env.step_timeout_s=30.0")
     a worker was killed, stuck in a   -> TimeoutError(a line naming what ran, rollout/
       call past step_timeout_s + grace   env_workers.py); nothing was parsed on this loop
     user code raised (a TimeoutError  -> EnvCallFailed(error="ValueError: ...", details=traceback)
-      of its own included)
+      of its own included), the first    (in a turn: only what take_turn did not foresee)
+      prompt did not encode
+    a worker died during a call       -> EnvCallFailed("an env worker process ... died ...")
     init gave malformed messages      -> EnvCallFailed(error="<Env>.init: message 0 is ...")
 
 A TimeoutError's message is the rollout's error line (TokenEnv records it as it is).
@@ -27,10 +30,17 @@ A TimeoutError's message is the rollout's error line (TokenEnv records it as it 
 from __future__ import annotations
 
 import asyncio
-import traceback
+from traceback import format_exc
 from typing import TYPE_CHECKING, Any, Protocol
 
-from torchtitan_rl.rollout.env_turn import Turn, TurnResult, checked_messages, take_turn
+from torchtitan_rl.rollout.env_turn import (
+    EnvCallFailed,
+    Turn,
+    TurnResult,
+    checked_messages,
+    describe_exception,
+    take_turn,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -45,22 +55,6 @@ Score = tuple[float, dict[str, float], str | None]
 """What scoring gives: (weighted reward, {function name: value}, `rollout.scorer_error`)."""
 Opening = tuple["MessageEnv", list["Message"], "np.ndarray"]
 """What `open` gives: (the env, its checked first messages, the first prompt's int32 ids)."""
-
-
-class EnvCallFailed(Exception):
-    """User code (an env's init or step, a reward function) raised; the rollout errors."""
-
-    def __init__(self, error: str, details: str | None = None) -> None:
-        super().__init__(error)
-        self.error = error
-        """One line, "TypeName: message"."""
-        self.details = details
-        """The traceback, as formatted where the code ran."""
-
-    @classmethod
-    def from_current(cls, e: BaseException) -> EnvCallFailed:
-        """From the exception being handled (call inside its `except` block)."""
-        return cls(describe_exception(e), traceback.format_exc())
 
 
 class EnvCalls(Protocol):
@@ -99,11 +93,18 @@ class LocalCalls:
             messages = checked_messages(first, f"{type(env).__name__}.init")
         except ValueError as e:
             raise EnvCallFailed(str(e)) from e
-        return env, messages, self._renderer.render_prompt(messages)
+        try:
+            return env, messages, self._renderer.render_prompt(messages)
+        except Exception as e:  # a first prompt the tokenizer refuses errors its rollout only
+            what = f"{type(self._renderer).__name__}.render_prompt"
+            raise EnvCallFailed(f"{what} raised {describe_exception(e)}", format_exc()) from e
 
     async def turn(self, env: MessageEnv, turn: Turn) -> tuple[MessageEnv, TurnResult]:
         assert self._renderer is not None, "LocalCalls was built without a renderer"
-        return env, await take_turn(env, turn, self._renderer, self._step)
+        try:
+            return env, await take_turn(env, turn, self._renderer, self._step)
+        except Exception as e:  # what take_turn did not foresee errors the rollout, not the
+            raise EnvCallFailed.from_current(e) from e  # run, and a worker lives on
 
     async def _step(self, env: MessageEnv, text: str) -> StepResult:
         return await self._bounded("env.step", env.step(text))
@@ -156,7 +157,3 @@ async def _own(call: Awaitable[Any]) -> Any:
         return await call
     except TimeoutError as e:
         raise EnvCallFailed.from_current(e) from e
-
-
-def describe_exception(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"

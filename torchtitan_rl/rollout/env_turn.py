@@ -12,14 +12,24 @@ the env's step. A 2-turn rollout, prompt P0, completions A0 and A1:
     Turn(completion_ids=A1, cut=False, closed=True, index=1, last=True)
         -> TurnResult(status=TRUNCATED_TURNS, text=text(A1), reply=[E1], continuation=None)
 
-A step that ran past env.step_timeout_s ends the turn here, where its text is known:
-TurnResult(status=ERROR_TIMEOUT, text=text(A1), error="env.step exceeded env.step_timeout_s=
-30.0"), the same on the event loop and in a worker (which is then not killed). A step that
-raised is not a TurnResult: EnvCallFailed comes out of the EnvCalls, as the call it was.
+A turn's failures end it here, with its text once decoded, the same on the event loop and in
+a worker (which lives on):
+
+    env.step ran past env.step_timeout_s -> TurnResult(status=ERROR_TIMEOUT, text=text(A1),
+                                            error="env.step exceeded env.step_timeout_s=30.0")
+    env.step raised                      -> TurnResult(status=ERROR_ENV, text=text(A1),
+                                            error="KeyError: 'x'", error_details=traceback)
+    the completion does not decode       -> TurnResult(status=ERROR_PARSE, text=None, error=
+                                            "ValueError: ..."; another exception's line names
+                                            the renderer's method, with its traceback)
+    the env's reply does not encode      -> TurnResult(status=ERROR_ENV, text=text(A1),
+                                            reply=[E1], error="<Renderer>.render_continuation
+                                            (turn 1) raised ...", error_details=traceback)
 """
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +43,27 @@ if TYPE_CHECKING:
 
     from torchtitan_rl.envs.base import MessageEnv
     from torchtitan_rl.models.renderer import Renderer
+
+
+class EnvCallFailed(Exception):
+    """User code (an env's init or step, a reward function) raised, or the worker process
+    running it died; the rollout errors."""
+
+    def __init__(self, error: str, details: str | None = None) -> None:
+        super().__init__(error)
+        self.error = error
+        """One line, "TypeName: message"."""
+        self.details = details
+        """The traceback, as formatted where the code ran."""
+
+    @classmethod
+    def from_current(cls, e: BaseException) -> EnvCallFailed:
+        """From the exception being handled (call inside its `except` block)."""
+        return cls(describe_exception(e), traceback.format_exc())
+
+
+def describe_exception(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 @dataclass(slots=True)
@@ -67,12 +98,14 @@ class TurnResult:
     """The env's checked reply messages (empty when the env was not stepped or failed)."""
     reward_signals: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    error_details: str | None = None
+    """The traceback behind `error`, when user or renderer code raised."""
     continuation: np.ndarray | None = None
     """int32 ids that follow the completion in the next prompt, when status is None."""
 
     def __reduce__(self) -> tuple:  # see _turn
         status = None if self.status is None else self.status.value
-        fields = (self.text, self.reply, self.reward_signals, self.error)
+        fields = (self.text, self.reply, self.reward_signals, self.error, self.error_details)
         return _turn_result, (status, *fields, ids_to_wire(self.continuation))
 
 
@@ -84,13 +117,14 @@ def _turn(ids: bytes | np.ndarray, *fields: Any) -> Turn:
 
 
 def _turn_result(status: str | None, *fields: Any) -> TurnResult:
-    text, reply, reward_signals, error, ids = fields
+    text, reply, reward_signals, error, error_details, ids = fields
     return TurnResult(
         status=None if status is None else RolloutStatus(status),
         text=text,
         reply=reply,
         reward_signals=reward_signals,
         error=error,
+        error_details=error_details,
         continuation=ids_from_wire(ids),
     )
 
@@ -101,34 +135,62 @@ async def take_turn(
     renderer: Renderer,
     step: Callable[[MessageEnv, str], Awaitable[Any]],
 ) -> TurnResult:
-    """Parse, step (`step(env, text)`, which raises the env's failures, TimeoutError with
-    its line past its bound), check and render."""
+    """Parse, step (`step(env, text)`, which raises the env's failures as EnvCallFailed,
+    TimeoutError with its line past its bound), check and render."""
     try:
         text = renderer.parse_completion(turn.completion_ids)
-    except ValueError as e:
-        return TurnResult(status=RolloutStatus.ERROR_PARSE, error=f"{type(e).__name__}: {e}")
+    except ValueError as e:  # the renderer's word for a completion it cannot parse
+        return TurnResult(status=RolloutStatus.ERROR_PARSE, error=describe_exception(e))
+    except Exception as e:  # a decoder's own failure (a KeyError) ends the rollout, not the run
+        error = _raised(renderer, "parse_completion", turn, e)
+        return TurnResult(
+            status=RolloutStatus.ERROR_PARSE, error=error, error_details=traceback.format_exc()
+        )
     if turn.cut:
         return TurnResult(status=RolloutStatus.TRUNCATED_LENGTH, text=text)
     try:
         result = await step(env, text)
     except TimeoutError as e:
         return TurnResult(status=RolloutStatus.ERROR_TIMEOUT, text=text, error=str(e))
+    except EnvCallFailed as e:  # a user env failing is recorded on the rollout, not fatal
+        return TurnResult(
+            status=RolloutStatus.ERROR_ENV, text=text, error=e.error, error_details=e.details
+        )
     where = f"{type(env).__name__}.step (turn {turn.index})"
     try:
         if not isinstance(result, StepResult):
             raise ValueError(f"{where} returned {result!r}; it must return a StepResult")
         reply = checked_messages(result.messages, where)
+        signals = _checked_signals(result.reward_signals, where)
     except ValueError as e:
         return TurnResult(status=RolloutStatus.ERROR_ENV, text=text, error=str(e))
-    signals = dict(result.reward_signals)
     outcome = TurnResult(status=None, text=text, reply=reply, reward_signals=signals)
     if result.done:
         outcome.status = RolloutStatus.COMPLETED
     elif turn.last:
         outcome.status = RolloutStatus.TRUNCATED_TURNS
     else:
-        outcome.continuation = renderer.render_continuation(reply, turn.closed)
+        try:
+            outcome.continuation = renderer.render_continuation(reply, turn.closed)
+        except Exception as e:  # a reply the tokenizer refuses ends the rollout, not the run
+            outcome.status = RolloutStatus.ERROR_ENV
+            outcome.error = _raised(renderer, "render_continuation", turn, e)
+            outcome.error_details = traceback.format_exc()
     return outcome
+
+
+def _raised(renderer: Renderer, method: str, turn: Turn, e: Exception) -> str:
+    return f"{type(renderer).__name__}.{method} (turn {turn.index}) raised {describe_exception(e)}"
+
+
+def _checked_signals(signals: Any, where: str) -> dict[str, float]:
+    """`signals` as a dict, or ValueError naming `where` (dict() of a None raises TypeError)."""
+    try:
+        return dict(signals)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{where} gave reward_signals {signals!r}; expected a dict of floats"
+        ) from e
 
 
 def checked_messages(messages: Any, where: str) -> list[Message]:

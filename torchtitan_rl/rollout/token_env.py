@@ -15,7 +15,8 @@ the prompt and the messages and decides how the rollout ended.
 
 Limits (from EnvConfig), checked in this order after each completion:
     generator gave None / ERROR / ABORT       -> ERROR_GENERATOR
-    the renderer cannot parse the completion  -> ERROR_PARSE
+    the renderer cannot parse the completion  -> ERROR_PARSE (a ValueError's line; another
+                                                 exception's names the renderer's method)
     completion finish_reason LENGTH           -> TRUNCATED_LENGTH (env.step is not called:
                                                  the message is cut; the rubric still scores
                                                  what exists)
@@ -23,8 +24,11 @@ Limits (from EnvConfig), checked in this order after each completion:
                                                  env.step_timeout_s=30.0", the turn's text kept)
     an env worker killed, stuck in the turn   -> ERROR_TIMEOUT (its line names the whole turn;
       past step_timeout_s + grace                no text: the completion is not parsed again)
+    an env worker died in the turn            -> ERROR_ENV (its line says so; no text either)
     env.step gave no StepResult, or a message -> ERROR_ENV (naming the env class, the
       UTF-8 cannot encode (a lone surrogate)     method, the turn and the message)
+    the renderer raised encoding the reply    -> ERROR_ENV (naming its method and the exception;
+                                                 the text and the reply kept)
     env said done                             -> COMPLETED
     max_turns assistant turns taken           -> TRUNCATED_TURNS
     next prompt leaves no room to generate    -> TRUNCATED_PROMPT
@@ -139,20 +143,23 @@ class TokenEnv:
         )
         try:
             self._env, result = await self._calls.turn(self._env, turn)
+        # A worker stuck in the turn and killed, or one that died in it, brings back no text.
+        # What it ran (a parse, a step, an encoding) may never end, raise or kill its process
+        # again, so it is not run here, on the loop, to learn the text: the rollout ends
+        # without the turn's assistant message, its completion kept in its turns.
         except TimeoutError as e:
-            # a worker stuck in the turn, killed: what it ran (a parse, a step, an encoding)
-            # may never end, so it is not run again here, on the loop, to learn the text
             return _ended(RolloutStatus.ERROR_TIMEOUT, error=str(e))
-        except EnvCallFailed as e:  # a user env failing is recorded on the rollout, not fatal
-            return self._failed(turn, e.error, e.details)
+        except EnvCallFailed as e:  # recorded on the rollout, not fatal
+            return _ended(RolloutStatus.ERROR_ENV, error=e.error, error_details=e.details)
         if result.text is None:  # it did not parse: not a turn
-            return _ended(RolloutStatus.ERROR_PARSE, error=result.error)
+            return _ended(result.status, error=result.error, error_details=result.error_details)
         self._add_turn(result.text, result.reply)
         fields = dict(
             assistant_text=result.text,
             env_messages=result.reply,
             reward_signals=result.reward_signals,
             error=result.error,
+            error_details=result.error_details,
         )
         if result.status is not None:
             return _ended(result.status, **fields)
@@ -168,19 +175,6 @@ class TokenEnv:
             return _ended(RolloutStatus.TRUNCATED_PROMPT, **fields)
         self._prompt_ids = next_prompt
         return TokenStep(next_prompt_ids=next_prompt, done=False, status=None, **fields)
-
-    def _failed(self, turn: Turn, error: str, details: str | None = None) -> TokenStep:
-        """The env's step raised, or its worker died. A failed call brings nothing back, so
-        the completion's text is parsed again here: a worker that died parsing it may leave
-        one that does not parse, which ends the rollout as it would have on the event loop."""
-        try:
-            text = self._renderer.parse_completion(turn.completion_ids)
-        except ValueError as e:
-            return _ended(RolloutStatus.ERROR_PARSE, error=f"{type(e).__name__}: {e}")
-        self._add_turn(text, [])
-        return _ended(
-            RolloutStatus.ERROR_ENV, assistant_text=text, error=error, error_details=details
-        )
 
     def _add_turn(self, text: str, reply: list[Message]) -> None:
         self._num_turns += 1
