@@ -35,6 +35,17 @@ from torchtitan_rl.types import Completion, FinishReason
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = "train_configs/alphabet_sort_qwen3_0.6b.toml"
 COMPLETION_TOKENS = 128
+COLUMNS = {
+    "rollout.processes": ("processes", "{}"),
+    "rollouts": ("rollouts", "{}"),
+    "turns": ("turns", "{:,}"),
+    "seconds": ("seconds", "{:.3f}"),
+    "turns / s": ("turns_per_s", "{:,.0f}"),
+    "controller CPU ms / turn": ("controller_cpu_ms_per_turn", "{:.3f}"),
+    "rollout processes' CPU ms / turn": ("processes_cpu_ms_per_turn", "{:.3f}"),
+    "generators' CPU ms / turn": ("generators_cpu_ms_per_turn", "{:.3f}"),
+}
+"""Table header -> (row key, format)."""
 
 
 class FakeGenerator(Actor):
@@ -172,17 +183,10 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     print(f"{args.config}; {args.replicas} fake generator actors answering at once with "
           f"{COMPLETION_TOKENS} random tokens; {cores} cores")  # fmt: skip
-    print(
-        "| rollout.processes | rollouts | turns | seconds | turns / s | controller CPU ms / turn "
-        "| rollout processes' CPU ms / turn | generators' CPU ms / turn |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * len(COLUMNS))
     for r in rows:
-        print(
-            f"| {r['processes']} | {r['rollouts']} | {r['turns']} | {r['seconds']:.3f} "
-            f"| {r['turns_per_s']:,.0f} | {r['controller_cpu_ms_per_turn']:.3f} "
-            f"| {r['processes_cpu_ms_per_turn']:.3f} | {r['generators_cpu_ms_per_turn']:.3f} |"
-        )
+        print("| " + " | ".join(f.format(r[key]) for key, f in COLUMNS.values()) + " |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_rollout_processes.json").write_text(json.dumps(rows, indent=1))
