@@ -126,6 +126,31 @@ def test_groups_go_round_robin_deaths_reach_every_process_and_counters_add_up(tm
     assert routed == ([1, 2], [10, 20], 1)  # the silent process is left out
 
 
+def test_a_process_silent_once_counts_with_its_last_answer_so_no_count_goes_back(tmp_path):
+    """A process that does not answer `routed` in time (its loop busy) at one step: the
+    sums keep its last counters; dropping it made requests_rerouted negative at that step
+    and count its old reroutes again at the next."""
+    fleet, _ = _fleet(tmp_path, "--rollout.processes=2")
+    _replicas(fleet, _Actor(), _Actor())
+    fleet.router = Router([FakeGenerateFn(0), FakeGenerateFn(1)])
+    procs = RolloutProcesses(fleet.config, tmp_path)
+    counters = {"calls": [10, 10], "tokens": [100, 100], "rerouted": [3]}
+    procs.actors = [_RolloutActor([], counters), _RolloutActor([], counters)]
+    silent = procs.actors[1].routed
+
+    async def steps():
+        reports = [fleet.metrics(await procs.routed())]
+        silent.answer = RuntimeError("timed out")
+        reports.append(fleet.metrics(await procs.routed()))
+        silent.answer = {"calls": [12, 11], "tokens": [120, 110], "rerouted": [3]}
+        reports.append(fleet.metrics(await procs.routed()))
+        return [r["generator/requests_rerouted"] for r in reports], reports[2]
+
+    rerouted, last = asyncio.run(steps())
+    assert rerouted == [6.0, 0.0, 0.0]
+    assert last["generator/routed_calls_max_over_mean"] == 2 * 2 / 3  # the 3 calls since
+
+
 def test_a_negative_number_of_processes_is_one_line_naming_the_key(tmp_path):
     from test_resume import ROOT
 
