@@ -151,6 +151,37 @@ def test_a_process_silent_once_counts_with_its_last_answer_so_no_count_goes_back
     assert last["generator/routed_calls_max_over_mean"] == 2 * 2 / 3  # the 3 calls since
 
 
+def test_the_death_line_says_the_rollout_processes_requests_move_too(tmp_path, caplog):
+    """With rollout processes the controller's own calls are few (validation): its count
+    alone said "0 request(s) in flight" while the processes moved theirs."""
+    from torchtitan_rl.actors.generate_fn import ActorGenerateFn
+    from torchtitan_rl.controller.replica import Replica as FleetReplica
+
+    fleet, _ = _fleet(tmp_path, "--rollout.processes=2")
+    for i in range(2):
+        fn = ActorGenerateFn(_Actor(), f"generator{i}", failover=True)
+        fleet.replicas.append(FleetReplica(index=i, name=f"generator{i}", actor=None, fn=fn))
+    logs = [[], []]
+    fleet.rollout = RolloutProcesses(fleet.config, tmp_path)
+    fleet.rollout.actors = [_RolloutActor(log, {}) for log in logs]
+
+    async def restart(replica):
+        pass
+
+    async def death():
+        fleet._restart = restart
+        fleet.replica_down(1)
+        await asyncio.sleep(0)  # the tells
+
+    with caplog.at_level("WARNING", logger="torchtitan_rl.controller.fleet"):
+        asyncio.run(death())
+    assert [m for m in caplog.messages if "died" in m] == [
+        "generator1 died; 0 request(s) in flight (and the rollout processes' requests "
+        "there) go to the 1 live replica(s); restarting it"
+    ]
+    assert logs == [[("replica_down", (1,))]] * 2
+
+
 def test_a_negative_number_of_processes_is_one_line_naming_the_key(tmp_path):
     from test_resume import ROOT
 
