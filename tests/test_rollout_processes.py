@@ -126,6 +126,62 @@ def test_groups_go_round_robin_deaths_reach_every_process_and_counters_add_up(tm
     assert routed == ([1, 2], [10, 20], 1)  # the silent process is left out
 
 
+def test_a_process_silent_once_counts_with_its_last_answer_so_no_count_goes_back(tmp_path):
+    """A process that does not answer `routed` in time (its loop busy) at one step: the
+    sums keep its last counters; dropping it made requests_rerouted negative at that step
+    and count its old reroutes again at the next."""
+    fleet, _ = _fleet(tmp_path, "--rollout.processes=2")
+    _replicas(fleet, _Actor(), _Actor())
+    fleet.router = Router([FakeGenerateFn(0), FakeGenerateFn(1)])
+    procs = RolloutProcesses(fleet.config, tmp_path)
+    counters = {"calls": [10, 10], "tokens": [100, 100], "rerouted": [3]}
+    procs.actors = [_RolloutActor([], counters), _RolloutActor([], counters)]
+    silent = procs.actors[1].routed
+
+    async def steps():
+        reports = [fleet.metrics(await procs.routed())]
+        silent.answer = RuntimeError("timed out")
+        reports.append(fleet.metrics(await procs.routed()))
+        silent.answer = {"calls": [12, 11], "tokens": [120, 110], "rerouted": [3]}
+        reports.append(fleet.metrics(await procs.routed()))
+        return [r["generator/requests_rerouted"] for r in reports], reports[2]
+
+    rerouted, last = asyncio.run(steps())
+    assert rerouted == [6.0, 0.0, 0.0]
+    assert last["generator/routed_calls_max_over_mean"] == 2 * 2 / 3  # the 3 calls since
+
+
+def test_the_death_line_says_the_rollout_processes_requests_move_too(tmp_path, caplog):
+    """With rollout processes the controller's own calls are few (validation): its count
+    alone said "0 request(s) in flight" while the processes moved theirs."""
+    from torchtitan_rl.actors.generate_fn import ActorGenerateFn
+    from torchtitan_rl.controller.replica import Replica as FleetReplica
+
+    fleet, _ = _fleet(tmp_path, "--rollout.processes=2")
+    for i in range(2):
+        fn = ActorGenerateFn(_Actor(), f"generator{i}", failover=True)
+        fleet.replicas.append(FleetReplica(index=i, name=f"generator{i}", actor=None, fn=fn))
+    logs = [[], []]
+    fleet.rollout = RolloutProcesses(fleet.config, tmp_path)
+    fleet.rollout.actors = [_RolloutActor(log, {}) for log in logs]
+
+    async def restart(replica):
+        pass
+
+    async def death():
+        fleet._restart = restart
+        fleet.replica_down(1)
+        await asyncio.sleep(0)  # the tells
+
+    with caplog.at_level("WARNING", logger="torchtitan_rl.controller.fleet"):
+        asyncio.run(death())
+    assert [m for m in caplog.messages if "died" in m] == [
+        "generator1 died; 0 request(s) in flight (and the rollout processes' requests "
+        "there) go to the 1 live replica(s); restarting it"
+    ]
+    assert logs == [[("replica_down", (1,))]] * 2
+
+
 def test_a_negative_number_of_processes_is_one_line_naming_the_key(tmp_path):
     from test_resume import ROOT
 

@@ -300,9 +300,11 @@ class GeneratorFleet:
         if self.rollout is not None:
             self.rollout.replica_down(index)
         alive = sum(r.up for r in self.replicas)
+        # the rollout processes' calls there move too; they count them in requests_rerouted
+        theirs = " (and the rollout processes' requests there)" if self.rollout is not None else ""
         logger.warning(
-            "%s died%s; %d request(s) in flight go to the %d live replica(s); restarting it",
-            replica.name, " before it rejoined" if was_joining else "", moved, alive,
+            "%s died%s; %d request(s) in flight%s go to the %d live replica(s); restarting it",
+            replica.name, " before it rejoined" if was_joining else "", moved, theirs, alive,
         )  # fmt: skip
         if alive == 0:
             self._start_all_down_timer()

@@ -44,6 +44,10 @@ class RolloutProcesses:
         self.meshes: list = []
         self.actors: list = []
         self._tasks: set[asyncio.Task] = set()
+        self._routed: list[dict | None] = []
+        """Each process's last answer to `routed` (None before its first): a process that
+        does not answer once counts with it, so the sums never go back (a negative count
+        of rerouted requests, then the old ones counted again)."""
 
     async def start(self, fleet) -> None:
         """Spawn the processes over the fleet's replicas (the fleet, which owns this
@@ -98,16 +102,21 @@ class RolloutProcesses:
     # ---- reports ----------------------------------------------------------------------------
     async def routed(self) -> tuple[list[int], list[int], int]:
         """Calls and call cost sent per replica and calls rerouted since start, summed over
-        the processes (empty lists with one replica)."""
+        the processes (empty lists with one replica); a process that does not answer counts
+        with its last answer."""
         answers = await asyncio.gather(
             *(asyncio.wait_for(a.routed.call_one(), CALL_TIMEOUT_S) for a in self.actors),
             return_exceptions=True,
         )
+        last = self._routed + [None] * (len(answers) - len(self._routed))
+        self._routed = [
+            last[i] if isinstance(got, BaseException) else got for i, got in enumerate(answers)
+        ]
         calls: list[int] = []
         tokens: list[int] = []
         rerouted = 0
-        for got in answers:
-            if isinstance(got, BaseException):
+        for got in self._routed:
+            if got is None:
                 continue
             calls = _add(calls, got["calls"])
             tokens = _add(tokens, got["tokens"])
