@@ -189,3 +189,33 @@ def test_a_negative_number_of_processes_is_one_line_naming_the_key(tmp_path):
         load_config(
             ROOT / "train_configs" / "alphabet_sort_tiny.toml", ["--rollout.processes=-1"]
         ).validate()
+
+
+class _SlowEndpoint(_Endpoint):
+    """Arrives `delay` seconds after it is sent (another sender's path through Monarch)."""
+
+    def __init__(self, log, name, delay):
+        super().__init__(log, name)
+        self.delay = delay
+
+    async def call_one(self, *args):
+        await asyncio.sleep(self.delay)
+        return await super().call_one(*args)
+
+
+def test_each_process_hears_a_death_and_a_rejoin_in_the_order_they_were_told(tmp_path):
+    fleet, _ = _fleet(tmp_path, "--rollout.processes=2")
+    logs = [[], []]
+    procs = RolloutProcesses(fleet.config, tmp_path)
+    procs.actors = [_RolloutActor(log, {}) for log in logs]
+    for log, actor in zip(logs, procs.actors):
+        actor.replica_down = _SlowEndpoint(log, "replica_down", delay=0.05)  # slow to arrive
+
+    async def go():
+        procs.replica_down(1)
+        procs.replica_up(1, "actor", "generator1_r1")
+        await asyncio.gather(*procs._tasks)
+
+    asyncio.run(go())
+    for log in logs:
+        assert [name for name, _ in log] == ["replica_down", "replica_up"]

@@ -44,6 +44,8 @@ class RolloutProcesses:
         self.meshes: list = []
         self.actors: list = []
         self._tasks: set[asyncio.Task] = set()
+        self._told: dict[int, asyncio.Task] = {}
+        """{process index: its last tell} (the next one waits for it)."""
         self._routed: list[dict | None] = []
         """Each process's last answer to `routed` (None before its first): a process that
         does not answer once counts with it, so the sums never go back (a negative count
@@ -86,16 +88,23 @@ class RolloutProcesses:
 
     def _tell(self, endpoint: str, *args) -> None:
         """Call `endpoint` on every process, not waiting (the fleet's callers are sync); a
-        failure is logged (a dead rollout process ends the run through the Supervisor)."""
+        failure is logged (a dead rollout process ends the run through the Supervisor).
+        Each process hears the tells in the order they were made: a tell is sent once the
+        one before it was answered (a down told from the Supervisor's callback and an up
+        told from the run are sent by different Monarch actors, whose messages may
+        otherwise overtake each other)."""
 
-        async def tell(actor):
+        async def tell(actor, before: asyncio.Task | None):
+            if before is not None:
+                await asyncio.wait([before])
             try:
                 await getattr(actor, endpoint).call_one(*args)
             except Exception as e:
                 logger.warning("telling a rollout process %s%s: %s", endpoint, args[:1], e)
 
-        for actor in self.actors:
-            task = asyncio.get_running_loop().create_task(tell(actor))
+        for i, actor in enumerate(self.actors):
+            task = asyncio.get_running_loop().create_task(tell(actor, self._told.get(i)))
+            self._told[i] = task
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
