@@ -34,7 +34,8 @@ from typing import Any
 
 from torchtitan_rl.envs.base import EnvConfig, Environment, MessageEnv, Rubric, StepResult
 from torchtitan_rl.rollout.env_calls import LocalCalls, run_call
-from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
+from torchtitan_rl.rollout.rollout_config import RolloutConfig
+from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.types import Message, Rollout
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -164,7 +164,8 @@ def test_rollout_max_tokens_reaches_every_request():
 
     from fakes import FakeEnvironment, FakeRenderer, ScriptedEnv, always, done
 
-    from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
+    from torchtitan_rl.rollout.rollout_config import RolloutConfig
+    from torchtitan_rl.rollout.rollouter import Rollouter
 
     generate = always("ok")
     env_config = EnvConfig(max_rollout_tokens=1000)
@@ -181,7 +182,8 @@ def test_rollout_stop_reaches_every_training_request_as_token_ids():
 
     from fakes import FakeEnvironment, FakeRenderer, ScriptedEnv, always, done, encode
 
-    from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
+    from torchtitan_rl.rollout.rollout_config import RolloutConfig
+    from torchtitan_rl.rollout.rollouter import Rollouter
 
     generate = always("ok")
     env_config = EnvConfig(max_rollout_tokens=1000)

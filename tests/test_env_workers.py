@@ -42,7 +42,8 @@ from torchtitan_rl.envs.base import EnvConfig
 from torchtitan_rl.models.renderer import Renderer
 from torchtitan_rl.models.tokenizer import Tokenizer
 from torchtitan_rl.rollout import env_workers
-from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
+from torchtitan_rl.rollout.rollout_config import RolloutConfig
+from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.types import FinishReason, RolloutStatus
 
 SAME_EVERYWHERE = [p for p in PLANS if p not in ("step_blocks", "step_exits")]

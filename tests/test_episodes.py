@@ -15,7 +15,8 @@ from fakes import (
 
 from torchtitan_rl.envs.base import EnvConfig
 from torchtitan_rl.rollout.episodes import rollout_to_episodes
-from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
+from torchtitan_rl.rollout.rollout_config import RolloutConfig
+from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.types import Rollout, RolloutStatus, RolloutTurn
 
 

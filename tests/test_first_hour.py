@@ -15,7 +15,8 @@ from torchtitan_rl.controller.loop import Controller
 from torchtitan_rl.controller.placement import Placement, plan
 from torchtitan_rl.envs.base import EnvConfig
 from torchtitan_rl.rollout.records import read_records, write_step_records
-from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
+from torchtitan_rl.rollout.rollout_config import RolloutConfig
+from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.types import Rollout, RolloutGroup, RolloutStatus
 
 ROOT = Path(__file__).resolve().parents[1]

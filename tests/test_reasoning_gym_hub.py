@@ -14,7 +14,8 @@ from fakes import FakeRenderer, ScriptedGenerate  # noqa: E402
 
 from torchtitan_rl.config import ConfigError, load_config, to_toml  # noqa: E402
 from torchtitan_rl.envs import build_environment  # noqa: E402
-from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter  # noqa: E402
+from torchtitan_rl.rollout.rollout_config import RolloutConfig
+from torchtitan_rl.rollout.rollouter import Rollouter  # noqa: E402
 from torchtitan_rl.types import RolloutStatus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,8 @@ from torchtitan_rl.controller.loop import Controller
 from torchtitan_rl.controller.metrics import batch_metrics
 from torchtitan_rl.controller.summary import SUMMARY_TAGS
 from torchtitan_rl.envs.base import EnvConfig
-from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
+from torchtitan_rl.rollout.rollout_config import RolloutConfig
+from torchtitan_rl.rollout.rollouter import Rollouter
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPARED = (

@@ -17,9 +17,9 @@ from fakes import (
 
 from torchtitan_rl.controller.metrics import batch_metrics
 from torchtitan_rl.envs.base import EnvConfig, SampleError
+from torchtitan_rl.rollout.rollout_config import RolloutConfig
 from torchtitan_rl.rollout.rollouter import (
     REWARD_BOUND,
-    RolloutConfig,
     Rollouter,
     refill_size,
     request_seed,

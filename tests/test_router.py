@@ -143,7 +143,8 @@ def _rollouter(make_env):
     from fakes import FakeEnvironment, FakeRenderer
 
     from torchtitan_rl.envs.base import EnvConfig
-    from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter
+    from torchtitan_rl.rollout.rollout_config import RolloutConfig
+    from torchtitan_rl.rollout.rollouter import Rollouter
 
     env_config = EnvConfig(max_rollout_tokens=1000, max_turns=5)
     config = RolloutConfig(group_size=4, prompts_per_step=3, filter_zero_std_groups=False)

@@ -94,7 +94,7 @@ def test_replayed_support_gives_ratio_one_and_full_vocab_ratio_below_one():
 
 
 def test_rollouter_asks_for_the_support_only_when_sampling_truncates():
-    from torchtitan_rl.rollout.rollouter import RolloutConfig
+    from torchtitan_rl.rollout.rollout_config import RolloutConfig
 
     def asks(**kw):
         params = RolloutConfig(**kw).sampling_params(seed=0, max_tokens=8, stop_token_ids=())

@@ -20,7 +20,8 @@ from torchtitan_rl.config import ConfigError, load_config, to_toml  # noqa: E402
 from torchtitan_rl.envs import build_environment  # noqa: E402
 from torchtitan_rl.rollout.episodes import rollout_to_episodes  # noqa: E402
 from torchtitan_rl.rollout.records import read_records  # noqa: E402
-from torchtitan_rl.rollout.rollouter import RolloutConfig, Rollouter, request_seed  # noqa: E402
+from torchtitan_rl.rollout.rollout_config import RolloutConfig
+from torchtitan_rl.rollout.rollouter import Rollouter, request_seed  # noqa: E402
 from torchtitan_rl.types import FinishReason, RolloutStatus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -37,7 +37,7 @@ from torchtitan_rl.models.lora import LoRAConfig
 from torchtitan_rl.models.qwen3 import ModelConfig
 from torchtitan_rl.rollout.advantages import AdvantageConfig
 from torchtitan_rl.rollout.batcher import BatcherConfig
-from torchtitan_rl.rollout.rollouter import RolloutConfig
+from torchtitan_rl.rollout.rollout_config import RolloutConfig
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
 from torchtitan_rl.weight_sync.config import WeightSyncConfig
 

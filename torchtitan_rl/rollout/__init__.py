@@ -3,8 +3,8 @@
 from torchtitan_rl.rollout.advantages import AdvantageConfig, compute_advantages, group_has_signal
 from torchtitan_rl.rollout.batcher import BatcherConfig, pack_batch
 from torchtitan_rl.rollout.episodes import rollout_to_episodes
+from torchtitan_rl.rollout.rollout_config import RolloutConfig
 from torchtitan_rl.rollout.rollouter import (
-    RolloutConfig,
     Rollouter,
     request_id_for,
     request_seed,
