@@ -19,6 +19,7 @@ SLOW = {
     "bench_failover.py",
     "bench_lora.py",
     "bench_vllm_lora.py",
+    "bench_routing.py",
 }
 """Smokes over ~20 s on a 2-core CPU (Monarch spawns two processes that import the model)."""
 BENCHES = sorted(p.name for p in (ROOT / "scripts").glob("bench_*.py"))
