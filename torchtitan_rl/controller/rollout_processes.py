@@ -39,7 +39,8 @@ class RolloutProcesses:
 
     def __init__(self, config: Config, log_dir):
         self.config = config
-        self.log_dir = str(log_dir)
+        self.log_dir = None if log_dir is None else str(log_dir)
+        """Where each process's fault log goes (actors/fault_log.py); None: none."""
         self.names = process_names(config.rollout.processes)
         self.meshes: list = []
         self.actors: list = []
