@@ -57,7 +57,7 @@ def _one_step(controller: Controller) -> tuple[list[str], BaseException | None]:
     events: list[str] = []
     stuck = asyncio.Event()
 
-    async def collect_batch(step, group_offset, generate_fn, *, draw):
+    async def collect_batch(step, group_offset, generate_fn, *, draw, play_group=None):
         events.append(f"start {step}")
         await asyncio.sleep(0.01)  # room for another batch to start meanwhile
         if step == 2:
@@ -138,7 +138,7 @@ def test_a_step_whose_groups_were_all_dropped_as_stale_says_they_were_too_stale(
             )
         return RolloutGroup(group_id=index, rollouts=rollouts, sample_index=index)
 
-    async def collect_batch(step, group_offset, generate_fn, *, draw):
+    async def collect_batch(step, group_offset, generate_fn, *, draw, play_group=None):
         return CollectedBatch(groups=[group(0), group(1)], next_index=2, rounds=1, filtered=[])
 
     async def train(trainer, groups):
