@@ -101,7 +101,7 @@ def test_groups_go_round_robin_deaths_reach_every_process_and_counters_add_up(tm
     logs = [[], []]
     procs = RolloutProcesses(fleet.config, tmp_path)
     procs.actors = [
-        _RolloutActor(logs[0], {"calls": [1, 2], "tokens": [10, 20], "rerouted": [1]}),
+        _RolloutActor(logs[0], {"calls": [1, 2], "tokens": [10, 20], "rerouted": 1}),
         _RolloutActor(logs[1], RuntimeError("gone")),  # a process that does not answer
     ]
     assert procs.names == process_names(2) == ("rollout0", "rollout1")
@@ -134,7 +134,7 @@ def test_a_process_silent_once_counts_with_its_last_answer_so_no_count_goes_back
     _replicas(fleet, _Actor(), _Actor())
     fleet.router = Router([FakeGenerateFn(0), FakeGenerateFn(1)])
     procs = RolloutProcesses(fleet.config, tmp_path)
-    counters = {"calls": [10, 10], "tokens": [100, 100], "rerouted": [3]}
+    counters = {"calls": [10, 10], "tokens": [100, 100], "rerouted": 3}
     procs.actors = [_RolloutActor([], counters), _RolloutActor([], counters)]
     silent = procs.actors[1].routed
 
@@ -142,7 +142,7 @@ def test_a_process_silent_once_counts_with_its_last_answer_so_no_count_goes_back
         reports = [fleet.metrics(await procs.routed())]
         silent.answer = RuntimeError("timed out")
         reports.append(fleet.metrics(await procs.routed()))
-        silent.answer = {"calls": [12, 11], "tokens": [120, 110], "rerouted": [3]}
+        silent.answer = {"calls": [12, 11], "tokens": [120, 110], "rerouted": 3}
         reports.append(fleet.metrics(await procs.routed()))
         return [r["generator/requests_rerouted"] for r in reports], reports[2]
 

@@ -71,25 +71,24 @@ class RolloutActor(Actor):
 
     @concurrent_endpoint
     async def replica_up(self, index: int, actor, name: str) -> None:
-        """Replica `index` is `actor` now (restarted, holding the current weights)."""
+        """Replica `index` is `actor` now (restarted, holding the current weights; only a
+        fleet of two or more replicas restarts one, so there is a router)."""
         fn = ActorGenerateFn(actor, name, failover=self.failover)
         self.fns[index] = fn
-        if self.router is not None:
-            self.router.replicas[index] = fn
-            self.router.set_up(index)
-        else:
-            self.generate_fn = fn
+        self.router.replicas[index] = fn
+        self.router.set_up(index)
 
     @concurrent_endpoint
-    async def routed(self) -> dict[str, list[int]]:
-        """Counters since start: calls and call cost sent per replica, calls rerouted; and
-        the calls in flight per replica now."""
-        in_flight = [len(fn.in_flight) for fn in self.fns]
-        if self.router is None:
-            return {"calls": [], "tokens": [], "rerouted": [0], "in_flight": in_flight}
+    async def routed(self) -> dict[str, Any]:
+        """Counters since start: calls and call cost sent per replica (empty with one
+        replica), calls rerouted; and the calls in flight per replica now."""
         r = self.router
-        return {"calls": list(r.routed), "tokens": list(r.routed_tokens),
-                "rerouted": [r.rerouted], "in_flight": in_flight}  # fmt: skip
+        return {
+            "calls": list(r.routed) if r is not None else [],
+            "tokens": list(r.routed_tokens) if r is not None else [],
+            "rerouted": r.rerouted if r is not None else 0,
+            "in_flight": [len(fn.in_flight) for fn in self.fns],
+        }
 
     @concurrent_endpoint
     async def activity(self) -> str:

@@ -130,7 +130,7 @@ class RolloutProcesses:
                 continue
             calls = _add(calls, got["calls"])
             tokens = _add(tokens, got["tokens"])
-            rerouted += sum(got["rerouted"])
+            rerouted += got["rerouted"]
         return calls, tokens, rerouted
 
     async def activity(self) -> list[str]:

@@ -28,6 +28,7 @@ import numpy as np
 from torchtitan_rl.envs.base import EpisodeEnvironment, draw_train_sample
 from torchtitan_rl.rollout.advantages import group_has_signal
 from torchtitan_rl.rollout.env_calls import EnvCallFailed, EnvCalls, LocalCalls
+from torchtitan_rl.rollout.env_turn import describe_exception
 from torchtitan_rl.rollout.env_workers import EnvWorkers
 from torchtitan_rl.rollout.rollout_config import RolloutConfig
 from torchtitan_rl.rollout.token_env import TokenEnv, TokenEnvError
@@ -151,7 +152,9 @@ class Rollouter:
         try:
             message_env = self._environment.make_env(sample)
         except Exception as e:  # a user env failing is recorded on the rollout, not fatal
-            return _fail(rollout, RolloutStatus.ERROR_ENV, _describe(e), traceback.format_exc())
+            return _fail(
+                rollout, RolloutStatus.ERROR_ENV, describe_exception(e), traceback.format_exc()
+            )
         env = TokenEnv(message_env, self._renderer, self._env_config, self._calls)
         try:
             prompt_ids = await env.reset()
@@ -195,7 +198,9 @@ class Rollouter:
                 seed_of_turn=seed_of_turn,
             )
         except Exception as e:  # a hub's runner failing is recorded on the rollout, not fatal
-            return _fail(rollout, RolloutStatus.ERROR_ENV, _describe(e), traceback.format_exc())
+            return _fail(
+                rollout, RolloutStatus.ERROR_ENV, describe_exception(e), traceback.format_exc()
+            )
         finally:
             if isinstance(generate_fn, EndsSessions):
                 generate_fn.end_session(rollout.session_id)
@@ -394,10 +399,6 @@ def _reward_error(reward: float, breakdown: dict[str, float]) -> str | None:
         if abs(value) > REWARD_BOUND:
             return f"reward {value!r} from {what} is beyond REWARD_BOUND = {REWARD_BOUND:g}"
     return None
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
 
 
 def _fail(
