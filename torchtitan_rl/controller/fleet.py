@@ -34,6 +34,7 @@ from pathlib import Path
 
 from torchtitan_rl.actors.generate_fn import ActorGenerateFn, is_death
 from torchtitan_rl.config import Config
+from torchtitan_rl.controller.fleet_report import FleetReport, fleet_activity
 from torchtitan_rl.controller.launcher import Meshes, spawn_generator
 from torchtitan_rl.controller.processes import on_this_machine
 from torchtitan_rl.controller.replica import Replica, parse_replica_name, replica_name
@@ -90,18 +91,16 @@ class GeneratorFleet:
         controller kills those left over at close, as it does its first ones)."""
         self._members: tuple[str, ...] = ()
         """Actor names the current weight sync was formed over."""
-        self._rerouted_reported = 0
-        self._routed_reported: tuple[list[int], list[int]] | None = None
-        self._engine_reported: dict[str, tuple[float, dict[str, float]]] = {}
-        """{replica name: (clock, its engine_stats)} at the last `engine_metrics`."""
+        self.report = FleetReport()
+        """The counters last reported (`metrics`, `engine_metrics` report since then)."""
         self._all_down: asyncio.TimerHandle | None = None
         self._closed = False
         self._context: contextvars.Context | None = None
+        """The context `start` ran in (restarts spawn processes in it)."""
         self._sync_lock = asyncio.Lock()
+        """One sync at a time: the step's, or one for replicas restarted while none was up."""
         self._member_died = asyncio.Event()
         """Set when a member of the sync in flight dies (`replica_down`)."""
-        """One sync at a time: the step's, or one for replicas restarted while none was up."""
-        """The context `start` ran in (restarts spawn processes in it)."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -377,37 +376,9 @@ class GeneratorFleet:
 
     # ---- reports ------------------------------------------------------------------------
     def metrics(self, more: tuple[list[int], list[int], int] | None = None) -> dict[str, float]:
-        """generator/replicas_alive now, and generator/requests_rerouted since the last
-        call (0 with one replica); with several replicas, how evenly the calls since the
-        last call were spread: the busiest replica's calls and call cost (prompt +
-        max_tokens) over the mean of the replicas (1.0 = even). `more`: the rollout
-        processes' counters since start (calls, cost per replica; rerouted), added to the
-        router's."""
-        router = self.router
-        calls = list(router.routed) if router is not None else []
-        tokens = list(router.routed_tokens) if router is not None else []
-        rerouted = router.rerouted if router is not None else 0
-        if more is not None and more[0]:
-            calls = [a + b for a, b in zip(calls, more[0], strict=True)]
-            tokens = [a + b for a, b in zip(tokens, more[1], strict=True)]
-            rerouted += more[2]
-        since, self._rerouted_reported = rerouted - self._rerouted_reported, rerouted
-        out = {
-            "generator/replicas_alive": float(sum(r.up for r in self.replicas)),
-            "generator/requests_rerouted": float(since),
-        }
-        if router is not None and len(self.replicas) > 1:
-            now = (calls, tokens)
-            last = self._routed_reported or ([0] * len(now[0]), [0] * len(now[1]))
-            self._routed_reported = now
-            for tag, new_counts, old_counts in (
-                ("generator/routed_calls_max_over_mean", now[0], last[0]),
-                ("generator/routed_tokens_max_over_mean", now[1], last[1]),
-            ):
-                delta = [a - b for a, b in zip(new_counts, old_counts)]
-                if sum(delta):
-                    out[tag] = max(delta) * len(delta) / sum(delta)
-        return out
+        """Replicas alive, requests rerouted and the spread of calls since the last call
+        (`FleetReport.routing`); `more`: the rollout processes' counters since start."""
+        return self.report.routing(self.replicas, self.router, more)
 
     async def step_metrics(self) -> dict[str, float]:
         """`metrics()` and `engine_metrics()`, for a step's report."""
@@ -415,49 +386,13 @@ class GeneratorFleet:
         return {**self.metrics(more), **await self.engine_metrics()}
 
     async def engine_metrics(self) -> dict[str, float]:
-        """What the engines of the replicas that are up did since the last call (first
-        call: since they started), from their `engine_stats`: the share of the time their
-        driver was busy (mean), weight-pull milliseconds (mean), engine steps, steps built
-        while no step was in flight, eager prefills and their tokens (sums). Empty where
-        the engines report no counters (vLLM reports only the driver's seconds)."""
-        up = [r for r in self.replicas if r.up and hasattr(r.actor, "engine_stats")]
-        if not up:
-            return {}
-        stats = await asyncio.gather(
-            *(asyncio.wait_for(r.actor.engine_stats.call_one(), 10) for r in up),
-            return_exceptions=True,
-        )
-        now = time.perf_counter()
-        busy, pull, sums = [], [], {}
-        for replica, got in zip(up, stats):
-            if isinstance(got, BaseException) or not got:
-                continue
-            then, last = self._engine_reported.get(replica.name, (None, {}))
-            self._engine_reported[replica.name] = (now, got)
-            delta = {k: v - last.get(k, 0) for k, v in got.items()}
-            if then is not None and "busy_s" in delta and now > then:
-                busy.append(delta["busy_s"] / (now - then))
-                pull.append(1e3 * delta["pull_s"])
-            for key in ("steps", "drained_steps", "eager_prefills", "eager_prefill_tokens"):
-                if key in delta:
-                    sums[key] = sums.get(key, 0.0) + delta[key]
-        out = {f"generator/engine_{k}": float(v) for k, v in sums.items()}
-        if busy:
-            out["generator/engine_busy_fraction"] = sum(busy) / len(busy)
-            out["generator/weight_pull_ms"] = sum(pull) / len(pull)
-        return out
+        """What the engines of the replicas that are up did since the last call
+        (`FleetReport.engines`)."""
+        return await self.report.engines(self.replicas)
 
     async def activity(self) -> str:
         """What every replica is doing, for a step that waited too long for its batch."""
-        phrases = [r.fn.activity() for r in self.replicas]
-        if self.rollout is not None:
-            return "; ".join([*phrases, *await self.rollout.activity()])
-        if not any(r.fn.in_flight for r in self.replicas):
-            phrases.append(
-                "so the rollouts wait on the environment (env.step_timeout_s="
-                f"{self.config.env.step_timeout_s:g})"
-            )
-        return "; ".join(phrases)
+        return await fleet_activity(self.replicas, self.rollout, self.config.env.step_timeout_s)
 
     async def close(self) -> None:
         """Stop restarts and close every replica's engine (bounded: one may be dead)."""
