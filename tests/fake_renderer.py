@@ -163,3 +163,17 @@ class BreaksLaterRenderer(FakeRenderer):
         if (Path(state["folder"]) / "broken").exists():
             raise RuntimeError("its files are gone")
         self.__dict__.update(state)
+
+
+UNCLOSABLE = 302
+"""A token StopCheckRaisesRenderer's stop-token check raises on."""
+
+
+class StopCheckRaisesRenderer(FakeRenderer):
+    """A FakeRenderer whose `closed_by_stop_token` raises IndexError on a completion holding
+    UNCLOSABLE (as a stop-token lookup past the vocabulary's end)."""
+
+    def closed_by_stop_token(self, completion) -> bool:
+        if any(int(t) == UNCLOSABLE for t in completion.token_ids_N):
+            raise IndexError(f"token {UNCLOSABLE} is past the vocabulary")
+        return super().closed_by_stop_token(completion)

@@ -20,12 +20,14 @@ import pytest
 from fake_renderer import (
     IM_END,
     STUCK,
+    UNCLOSABLE,
     UNDECODABLE,
     BreaksLaterRenderer,
     DiesParsingRenderer,
     FussyRenderer,
     HangsParsingRenderer,
     PickyRenderer,
+    StopCheckRaisesRenderer,
     WhereRenderer,
 )
 from fakes import FakeRenderer, ScriptedGenerate, make_completion
@@ -317,6 +319,36 @@ def test_a_renderer_that_raises_errors_one_rollout_and_keeps_its_worker(caplog):
     assert in_worker["completion_undecodable"][0][2] == "KeyError: 301"  # the traceback's end
     assert in_worker["reply_unencodable"][0][2].startswith("RuntimeError: cannot encode")
     assert [row[0] for row in in_worker["ok"]] == [RolloutStatus.COMPLETED] * 2
+
+
+def test_a_stop_token_check_that_raises_errors_one_rollout_on_the_loop_as_with_workers():
+    """`closed_by_stop_token` runs on the loop before the turn goes where the env runs: its
+    failure errors that rollout with a line naming it, and the others finish."""
+
+    def respond(call):  # rollout 0's second completion holds UNCLOSABLE
+        if call.request_id.endswith("/rollout=0/turn=1"):
+            return make_completion([111, UNCLOSABLE, IM_END], request_id=call.request_id)
+        return "ok"
+
+    def outcome(workers):
+        env_config = EnvConfig(max_turns=4, max_rollout_tokens=1000, workers=workers)
+        environment = PlanEnvironment(env_config, seed=0)
+        renderer = StopCheckRaisesRenderer()
+        rollouter = rollouter_for(environment, env_config, renderer, prompts_per_step=1)
+        rollouts = collect(rollouter, ScriptedGenerate(respond), [PLANS.index("ok")])[0].rollouts
+        return [
+            (r.status, r.error, (r.error_details or "").strip().split("\n")[-1], len(r.turns),
+             [m["role"] for m in r.messages])
+            for r in rollouts
+        ]  # fmt: skip
+
+    on_loop, in_worker = outcome(0), outcome(1)
+    assert in_worker == on_loop
+    raised = "IndexError: token 302 is past the vocabulary"
+    error = f"StopCheckRaisesRenderer.closed_by_stop_token (turn 1) raised {raised}"
+    assert on_loop[0][:3] == (RolloutStatus.ERROR_ENV, error, raised)  # with its traceback
+    assert on_loop[0][4] == ["user", "assistant", "user"]  # the turn before it kept
+    assert on_loop[1][:2] == (RolloutStatus.COMPLETED, None)
 
 
 @pytest.mark.parametrize("workers", [1, 2])  # 1: calls sent behind a stuck one run after it

@@ -142,7 +142,7 @@ async def take_turn(
     except ValueError as e:  # the renderer's word for a completion it cannot parse
         return TurnResult(status=RolloutStatus.ERROR_PARSE, error=describe_exception(e))
     except Exception as e:  # a decoder's own failure (a KeyError) ends the rollout, not the run
-        error = _raised(renderer, "parse_completion", turn, e)
+        error = renderer_raised(renderer, "parse_completion", turn.index, e)
         return TurnResult(
             status=RolloutStatus.ERROR_PARSE, error=error, error_details=traceback.format_exc()
         )
@@ -174,13 +174,14 @@ async def take_turn(
             outcome.continuation = renderer.render_continuation(reply, turn.closed)
         except Exception as e:  # a reply the tokenizer refuses ends the rollout, not the run
             outcome.status = RolloutStatus.ERROR_ENV
-            outcome.error = _raised(renderer, "render_continuation", turn, e)
+            outcome.error = renderer_raised(renderer, "render_continuation", turn.index, e)
             outcome.error_details = traceback.format_exc()
     return outcome
 
 
-def _raised(renderer: Renderer, method: str, turn: Turn, e: Exception) -> str:
-    return f"{type(renderer).__name__}.{method} (turn {turn.index}) raised {describe_exception(e)}"
+def renderer_raised(renderer: Renderer, method: str, index: int, e: Exception) -> str:
+    """The error line of a renderer's `method` raising `e` in assistant turn `index`."""
+    return f"{type(renderer).__name__}.{method} (turn {index}) raised {describe_exception(e)}"
 
 
 def _checked_signals(signals: Any, where: str) -> dict[str, float]:

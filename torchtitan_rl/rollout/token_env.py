@@ -15,6 +15,9 @@ the prompt and the messages and decides how the rollout ended.
 
 Limits (from EnvConfig), checked in this order after each completion:
     generator gave None / ERROR / ABORT       -> ERROR_GENERATOR
+    the renderer's stop-token check raised    -> ERROR_ENV (naming closed_by_stop_token and
+                                                 the exception; no text: the completion is
+                                                 not parsed; on this loop, workers or not)
     the renderer cannot parse the completion  -> ERROR_PARSE (a ValueError's line; another
                                                  exception's names the renderer's method)
     completion finish_reason LENGTH           -> TRUNCATED_LENGTH (env.step is not called:
@@ -38,12 +41,13 @@ Limits (from EnvConfig), checked in this order after each completion:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from traceback import format_exc
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from torchtitan_rl.rollout.env_calls import EnvCallFailed, EnvCalls, LocalCalls
-from torchtitan_rl.rollout.env_turn import Turn
+from torchtitan_rl.rollout.env_turn import Turn, renderer_raised
 from torchtitan_rl.types import Completion, FinishReason, Message, RolloutStatus
 
 if TYPE_CHECKING:
@@ -134,10 +138,15 @@ class TokenEnv:
                 RolloutStatus.ERROR_GENERATOR,
                 error=f"completion {completion.finish_reason.value}: {reason}",
             )
+        try:
+            closed = self._renderer.closed_by_stop_token(completion)
+        except Exception as e:  # a renderer's bug ends the rollout, not the batch
+            error = renderer_raised(self._renderer, "closed_by_stop_token", self._num_turns, e)
+            return _ended(RolloutStatus.ERROR_ENV, error=error, error_details=format_exc())
         turn = Turn(
             completion_ids=completion.token_ids_N,
             cut=completion.finish_reason == FinishReason.LENGTH,
-            closed=self._renderer.closed_by_stop_token(completion),
+            closed=closed,
             index=self._num_turns,
             last=self._num_turns + 1 >= self._config.max_turns,
         )
