@@ -86,6 +86,17 @@ class PlanEnv(MessageEnv):
         return StepResult(messages=[] if done else reply, done=done, reward_signals={"t": 1.0})
 
 
+class KeepsALambdaEnv(PlanEnv):
+    """Plays "ok", but keeps a lambda once stepped twice: stepped in a worker, it cannot be
+    pickled back."""
+
+    async def step(self, assistant_message: str) -> StepResult:
+        result = await super().step(assistant_message)
+        if self.turn == 2:
+            self.on_close = lambda: None
+        return result
+
+
 def plan_reward(rollout: Rollout) -> float:
     plan = PLANS[rollout.sample["index"] % len(PLANS)]
     if plan == "reward_raises":
@@ -109,6 +120,13 @@ class PlanEnvironment(Environment):
 
     def rubric(self) -> Rubric:
         return Rubric([("reward", plan_reward, 1.0)])
+
+
+class KeepsALambdaEnvironment(PlanEnvironment):
+    """PlanEnvironment whose sample -1 gets a KeepsALambdaEnv."""
+
+    def make_env(self, sample: dict[str, Any]) -> MessageEnv:
+        return KeepsALambdaEnv("ok") if sample["index"] == -1 else super().make_env(sample)
 
 
 class WaitingEnv(MessageEnv):

@@ -34,6 +34,7 @@ from fakes import FakeRenderer, ScriptedGenerate, make_completion
 from pool_envs import (
     PLANS,
     BigStateEnvironment,
+    KeepsALambdaEnvironment,
     PlanEnvironment,
     RelayEnvironment,
     WaitingEnvironment,
@@ -509,6 +510,28 @@ def test_an_unpicklable_env_errors_its_rollouts():
     assert all(r.status is RolloutStatus.ERROR_ENV for r in rollouts)
     assert "env.workers=1 sends ScriptedEnv to a worker process" in rollouts[0].error
     assert math.isfinite(rollouts[0].reward) and rollouts[0].reward == 0.0
+
+
+def test_a_stepped_env_that_cannot_be_pickled_back_errors_its_rollout_with_its_text(caplog):
+    """Its worker answers the turn with its text and a line naming what did not pickle, and
+    lives on: the other rollouts' turns finish in it, and no worker is replaced."""
+    env_config = EnvConfig(max_turns=4, max_rollout_tokens=1000, workers=1)
+    environment = KeepsALambdaEnvironment(env_config, seed=0)
+    rollouter = rollouter_for(environment, env_config, prompts_per_step=2)
+    with caplog.at_level(logging.WARNING, logger="torchtitan_rl.rollout.env_workers"):
+        groups = collect(rollouter, ScriptedGenerate(lambda c: "ok"), [-1, PLANS.index("ok")])
+    assert [r.getMessage() for r in caplog.records] == []
+    bad, ok = sorted(groups, key=lambda g: g.sample_index)
+    for rollout in bad.rollouts:
+        assert rollout.status is RolloutStatus.ERROR_ENV
+        assert rollout.error.startswith(
+            "the stepped KeepsALambdaEnv (turn 1) cannot be pickled back from its worker "
+            "process (AttributeError: Can't pickle local object 'KeepsALambdaEnv.step."
+        )
+        assert rollout.messages[-1] == {"role": "assistant", "content": "ok"}  # the text kept
+        assert len(rollout.messages) == 4 and rollout.error_details
+    assert [r.status for r in ok.rollouts] == [RolloutStatus.COMPLETED] * 2
+    assert all(len(r.turns) == 3 for r in ok.rollouts)
 
 
 def test_a_rubric_the_workers_cannot_load_stops_the_batch_with_one_line(monkeypatch):

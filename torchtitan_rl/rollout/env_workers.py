@@ -52,11 +52,13 @@ from torchtitan_rl.rollout.env_calls import (
     describe_exception,
     run_call,
 )
+from torchtitan_rl.rollout.env_turn import TurnResult
+from torchtitan_rl.types import RolloutStatus
 
 if TYPE_CHECKING:
     from torchtitan_rl.envs.base import MessageEnv, Rubric
     from torchtitan_rl.models.renderer import Renderer
-    from torchtitan_rl.rollout.env_turn import Turn, TurnResult
+    from torchtitan_rl.rollout.env_turn import Turn
     from torchtitan_rl.types import Rollout
 
 logger = logging.getLogger(__name__)
@@ -401,9 +403,38 @@ def serve(conn: Connection, setup_bytes: bytes, timeout_s: float) -> None:
         try:
             data = pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # the stepped env or its result no longer pickles
-            message = f"the {call[0]} result cannot be sent back: {describe_exception(e)}"
-            data = pickle.dumps(("raised", message, traceback.format_exc()))
+            data = pickle.dumps(_unsendable(call, outcome, e, traceback.format_exc()))
         conn.send_bytes(data)
+
+
+def _unsendable(call: tuple, outcome: tuple, e: Exception, details: str) -> tuple:
+    """The answer sent instead of `outcome`, which does not pickle: a turn ends its rollout
+    (ERROR_ENV) with its text kept and a line naming what did not pickle; another call
+    raises with the line."""
+    if call[0] != "turn":
+        message = f"the {call[0]} result cannot be sent back: {describe_exception(e)}"
+        return ("raised", message, details)
+    env, result = outcome[1]  # ("ok", ...): the other answers are strings
+    where = f"{type(call[1]).__name__}.step (turn {call[2].index})"
+    what = f"the reply or reward_signals of {where}"
+    if env is not None and not _pickles(env):
+        what = f"the stepped {type(env).__name__} (turn {call[2].index})"
+    error = (
+        f"{what} cannot be pickled back from its worker process ({describe_exception(e)}); "
+        "env.workers = 0 runs it here"
+    )
+    ended = TurnResult(
+        status=RolloutStatus.ERROR_ENV, text=result.text, error=error, error_details=details
+    )
+    return ("ok", (None, ended))
+
+
+def _pickles(value: Any) -> bool:
+    try:
+        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # any failure to pickle is the answer, not an error here
+        return False
+    return True
 
 
 def _answer(loop: asyncio.AbstractEventLoop, calls: LocalCalls, call: tuple) -> tuple:

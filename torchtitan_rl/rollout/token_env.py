@@ -28,6 +28,8 @@ Limits (from EnvConfig), checked in this order after each completion:
     an env worker killed, stuck in the turn   -> ERROR_TIMEOUT (its line names the whole turn;
       past step_timeout_s + grace                no text: the completion is not parsed again)
     an env worker died in the turn            -> ERROR_ENV (its line says so; no text either)
+    the turn's answer does not pickle back    -> ERROR_ENV (naming what did not pickle: the
+      from its env worker                        stepped env, or its reply; the text kept)
     env.step gave no StepResult, or a message -> ERROR_ENV (naming the env class, the
       UTF-8 cannot encode (a lone surrogate)     method, the turn and the message)
     the renderer raised encoding the reply    -> ERROR_ENV (naming its method and the exception;
