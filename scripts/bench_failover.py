@@ -43,7 +43,7 @@ def config(out: Path, name: str, args, staleness: int):
             "--validation.interval=0", "--checkpoint.interval=0",
             "--parallelism.trainer_procs=1", "--generator.num_replicas=2",
             f"--generator.backend={args.backend}", f"--parallelism.device={args.device}",
-            f"--rollout.max_staleness={staleness}",
+            f"--rollout.max_staleness={staleness}", *args.overrides,
         ],
     )  # fmt: skip
 
@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--backend", default="native")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overrides", nargs="*", default=[], help="more --key=value for every run")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--smoke", action="store_true", help="one kill, N = 1, 3 RL steps")
     args = parser.parse_args()
