@@ -75,6 +75,12 @@ def run(cfg, kill_after_s: float | None, victim: int) -> dict:
         killed["pid"] = await replica.actor.pid.call_one()
         killed["at_s"], killed["name"] = kill_after_s, replica.name
         os.kill(killed["pid"], signal.SIGKILL)
+        t_kill = time.perf_counter()
+        while replica.up:  # until the fleet hears of the death
+            await asyncio.sleep(0.01)
+        while not replica.up:  # until the restarted process took the weights and rejoined
+            await asyncio.sleep(0.01)
+        killed["rejoin_s"] = round(time.perf_counter() - t_kill, 1)
 
     async def go():
         t0 = time.perf_counter()
@@ -106,6 +112,7 @@ def run(cfg, kill_after_s: float | None, victim: int) -> dict:
         "error": error, "seconds": seconds, "trained": trained, "killed": killed,
         "rerouted": sum(history.get("generator/requests_rerouted", {}).values()),
         "alive_at_end": history.get("generator/replicas_alive", {}).get(cfg.training.steps),
+        "rejoin_s": killed.get("rejoin_s"),
         "exact": {t: history.get(t, {}) for t in EXACT}, "leftover": leftover,
     }  # fmt: skip
 
@@ -140,12 +147,13 @@ def main() -> None:
                 "killed": bool(r["killed"]), "finished": r["error"] is None, "error": r["error"],
                 "same_prompts": r["trained"] == base["trained"],
                 "bit_equal": r["exact"] == base["exact"], "rerouted": r["rerouted"],
-                "alive_at_end": r["alive_at_end"], "leftover": r["leftover"],
+                "alive_at_end": r["alive_at_end"], "rejoin_s": r["rejoin_s"],
+                "leftover": r["leftover"],
                 "seconds": round(r["seconds"], 1), "base_seconds": round(base["seconds"], 1),
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     keys = ["max_staleness", "kill", "at_s", "victim", "killed", "finished", "same_prompts",
-            "bit_equal", "rerouted", "alive_at_end", "leftover", "seconds"]  # fmt: skip
+            "bit_equal", "rerouted", "alive_at_end", "rejoin_s", "leftover", "seconds"]  # fmt: skip
     print("| " + " | ".join(keys) + " |")
     for r in rows:
         cells = [len(r[k]) if k == "leftover" else r[k] for k in keys]
