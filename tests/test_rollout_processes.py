@@ -121,10 +121,10 @@ def test_the_rollout_processes_routing_is_reported_with_the_routers(tmp_path):
     fleet, _ = _fleet(tmp_path)
     _replicas(fleet, _Actor(), _Actor())
     fleet.router = Router([FakeGenerateFn(0), FakeGenerateFn(1)])
-    asyncio.run(fleet.router(np.zeros(3, np.int32), request_id="validation"))  # replica 0
+    asyncio.run(fleet.router(np.zeros(3, np.int32), request_id="own"))  # replica 0
     out = fleet.metrics(([1, 5], [10, 50], 2))  # the processes: 1 and 5 calls, 2 rerouted
     assert out["generator/routed_calls_max_over_mean"] == 5 * 2 / 7
-    # replica 0: the validation call (3 prompt + 64 max_tokens) and the processes' 10
+    # replica 0: the controller's own call (3 prompt + 64 max_tokens) and the processes' 10
     assert out["generator/routed_tokens_max_over_mean"] == (10 + 67) * 2 / (10 + 67 + 50)
     assert out["generator/requests_rerouted"] == 2.0
     out = fleet.metrics(([1, 7], [10, 70], 3))  # counters since start: 2 more calls, 1 more
