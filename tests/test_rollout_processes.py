@@ -2,6 +2,7 @@
 replicas themselves (actors/rollout.py, controller/rollout_processes.py)."""
 
 import asyncio
+from multiprocessing import active_children
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from test_fleet_metrics import _Actor, _replicas
 
 from torchtitan_rl.config import ConfigError, load_config
 from torchtitan_rl.controller.rollout_processes import RolloutProcesses, process_names
+from torchtitan_rl.rollout.records import rollout_record
 from torchtitan_rl.rollout.router import Router
 
 SHAPE = (
@@ -23,34 +25,60 @@ SHAPE = (
 )
 
 
+def _validation_records(step, groups) -> list[dict]:
+    """Every validation rollout of `groups` as its record, with its tokens and log-probs."""
+    out = []
+    for group in groups:
+        for rollout in group.rollouts:
+            record = rollout_record(rollout, step=step, pick="validation", group=group)
+            record["tokens"] = [t.completion.token_ids_N.tolist() for t in rollout.turns]
+            record["logprobs"] = [t.completion.logprobs_N.tobytes() for t in rollout.turns]
+            out.append(record)
+    return out
+
+
 def _run(config):
-    """Run to the end; returns (scalars per tag, each rollout process's routing counters
-    read before the run closed)."""
+    """Run to the end; returns what the run logged and saw: scalars per tag, each rollout
+    process's routing counters and the controller's env worker processes alive (both read
+    before the run closed), the controller's router's calls, the validation rollouts'
+    records in the order they were played."""
     from torchtitan_rl.controller.loop import Controller
 
     controller = Controller(config, use_tqdm=False)
-    counters = []
+    ran = {"counters": [], "validation": []}
+    report = controller.diagnostics.report
+
+    def report_and_record(step, groups, *, training=True):
+        if not training:
+            ran["validation"].extend(_validation_records(step, groups))
+        report(step, groups, training=training)
+
+    controller.diagnostics.report = report_and_record
 
     async def go():
         try:
             await controller.run()
             if controller.fleet.rollout is not None:
                 for actor in controller.fleet.rollout.actors:
-                    counters.append(await actor.routed.call_one())
+                    ran["counters"].append(await actor.routed.call_one())
+            ran["env_workers"] = [p for p in active_children() if p.name == "env-worker"]
+            ran["router_calls"] = list(controller.fleet.router.routed)
         finally:
             await controller.close()
 
     asyncio.run(go())
-    return {tag: dict(s) for tag, s in controller.metrics.history.items()}, counters
+    ran["scalars"] = {tag: dict(s) for tag, s in controller.metrics.history.items()}
+    return ran
 
 
 @pytest.mark.slow
 def test_groups_played_in_two_processes_train_the_same_run_bit_for_bit(tmp_path):
     from test_resume import tiny_config
 
-    on_loop, none = _run(tiny_config(tmp_path, "loop", *SHAPE))
-    in_procs, counters = _run(tiny_config(tmp_path, "procs", *SHAPE, "--rollout.processes=2"))
-    assert none == []
+    loop = _run(tiny_config(tmp_path, "loop", *SHAPE))
+    procs = _run(tiny_config(tmp_path, "procs", *SHAPE, "--rollout.processes=2"))
+    on_loop, in_procs, counters = loop["scalars"], procs["scalars"], procs["counters"]
+    assert loop["counters"] == []
     # each process played its share and sent turns to both replicas
     assert len(counters) == 2 and all(min(c["calls"]) > 0 for c in counters)
     assert all(c["in_flight"] == [0, 0] for c in counters)  # nothing left waiting
@@ -61,16 +89,42 @@ def test_groups_played_in_two_processes_train_the_same_run_bit_for_bit(tmp_path)
     assert {"rollout_reward/mean", "loss/mean", "trainer/grad_norm"} <= set(tags)
     for tag in tags:
         assert on_loop[tag] == in_procs[tag], tag
+    # validation (after steps 0 and 3) played its samples in the processes, not on the
+    # loop: the same rollouts, token for token, and the same validation_reward/* scalars
+    assert sum(loop["router_calls"]) > 0 and procs["router_calls"] == [0, 0]
+    assert len(loop["validation"]) == 2 * 4
+    assert loop["validation"] == procs["validation"]
+    assert sorted(on_loop["validation_reward/mean"]) == [0, 3]
+    assert [t for t in tags if t.startswith("validation_reward/")] == [
+        t for t in in_procs if t.startswith("validation_reward/")
+    ]
+
+
+@pytest.mark.slow
+def test_with_rollout_processes_the_controller_starts_no_env_workers_of_its_own(tmp_path):
+    """Validation played on the controller started its env.workers pool beside each rollout
+    process's: (K + 1) x N worker processes, and env work on the controller's loop."""
+    from test_resume import tiny_config
+
+    ran = _run(
+        tiny_config(
+            tmp_path, "procs", *SHAPE, "--rollout.processes=2", "--env.workers=1",
+            "--training.steps=1", "--warm_start.steps=0",
+        )
+    )  # fmt: skip
+    assert sorted(ran["scalars"]["validation_reward/mean"]) == [0, 1]
+    assert ran["env_workers"] == []
+    assert ran["router_calls"] == [0, 0]  # the controller's router: no validation call
 
 
 def test_the_rollout_processes_routing_is_reported_with_the_routers(tmp_path):
     fleet, _ = _fleet(tmp_path)
     _replicas(fleet, _Actor(), _Actor())
     fleet.router = Router([FakeGenerateFn(0), FakeGenerateFn(1)])
-    asyncio.run(fleet.router(np.zeros(3, np.int32), request_id="validation"))  # replica 0
+    asyncio.run(fleet.router(np.zeros(3, np.int32), request_id="own"))  # replica 0
     out = fleet.metrics(([1, 5], [10, 50], 2))  # the processes: 1 and 5 calls, 2 rerouted
     assert out["generator/routed_calls_max_over_mean"] == 5 * 2 / 7
-    # replica 0: the validation call (3 prompt + 64 max_tokens) and the processes' 10
+    # replica 0: the controller's own call (3 prompt + 64 max_tokens) and the processes' 10
     assert out["generator/routed_tokens_max_over_mean"] == (10 + 67) * 2 / (10 + 67 + 50)
     assert out["generator/requests_rerouted"] == 2.0
     out = fleet.metrics(([1, 7], [10, 70], 3))  # counters since start: 2 more calls, 1 more

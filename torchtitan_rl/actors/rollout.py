@@ -5,7 +5,8 @@ With hundreds of concurrent multi-turn rollouts one event loop cannot feed sever
 generator GPUs: each turn is a call out and an answer back on it (docs/benchmarks.md, "The
 controller's turn rate"). A rollout process holds its own environment, renderer and
 Rollouter (and its own env.workers) and routes its turns over the replicas by its own view
-of their load; the controller makes one call per group instead of one per turn.
+of their load; the controller makes one call per group instead of one per turn, and one per
+validation sample (`play_single`), so the controller's own env.workers never start.
 
 The fleet (controller/fleet.py) tells it when a replica dies (`replica_down`: its calls
 there go to the live replicas) and when a restarted one holds the current weights
@@ -28,7 +29,7 @@ from torchtitan_rl.models.renderer import Renderer
 from torchtitan_rl.models.tokenizer import Tokenizer
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.router import Router
-from torchtitan_rl.types import RolloutGroup
+from torchtitan_rl.types import Rollout, RolloutGroup, SamplingParams
 
 
 class RolloutActor(Actor):
@@ -61,6 +62,17 @@ class RolloutActor(Actor):
         return await self.rollouter.run_group_rollouts(
             sample, self.generate_fn, group_id=group_id, step=step
         )
+
+    @concurrent_endpoint
+    async def play_single(
+        self, sample: dict[str, Any], group_id: int, sampling: SamplingParams, step: int
+    ) -> Rollout:
+        """One rollout of `sample` (rollout id 0) with `sampling`, played and scored: a
+        validation sample's greedy rollout."""
+        return await self.rollouter.run_single_rollout(
+            sample, self.generate_fn, group_id=group_id, rollout_id=0, sampling=sampling,
+            step=step,
+        )  # fmt: skip
 
     @concurrent_endpoint
     async def replica_down(self, index: int) -> None:

@@ -122,6 +122,12 @@ class GeneratorFleet:
         processes' `play_group`, or None (the controller's loop plays it)."""
         return self.rollout.play_group if self.rollout is not None else None
 
+    @property
+    def play_single(self):
+        """What plays a validation sample's rollout (`controller/validation.py`): the rollout
+        processes' `play_single`, or None (the controller's loop plays it)."""
+        return self.rollout.play_single if self.rollout is not None else None
+
     # ---- start ------------------------------------------------------------------------
     async def start(self, meshes: Meshes, trainer, run_dir: Path) -> None:
         """Spawn one generator per mesh (`open_weight_sync` then opens the sync)."""

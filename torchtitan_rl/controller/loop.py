@@ -208,8 +208,8 @@ class Controller:
         self.supervisor.where = f"while validating after RL step {step}"
         self.last_validation = await run_validation(
             self.config.validation, step, rollouter=self.rollouter, renderer=self.renderer,
-            environment=self.environment, generate_fn=self.fleet.generate_fn,
-            diagnostics=self.diagnostics, metrics=self.metrics,
+            environment=self.environment, fleet=self.fleet, diagnostics=self.diagnostics,
+            metrics=self.metrics,
         )  # fmt: skip
         return self.last_validation
 

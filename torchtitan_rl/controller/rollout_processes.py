@@ -5,12 +5,17 @@ there (actors/rollout.py), each process routing its turns over every generator r
     await procs.start(fleet)                 # spawned on this host; the fleet tells them
                                              # of deaths and rejoins from then on
     group = await procs.play_group(sample, group_id=7, step=3)   # process 7 % processes
+    rollout = await procs.play_single(sample, group_id=5, sampling=greedy, step=-1)
+                                             # validation sample 5, in process 5 % processes
     await procs.routed()                     # their routing counters, summed
     await procs.close()
 
 Group g goes to process g % processes: every process gets an even share of each step, and
 which process plays a group does not change what it generates (a request's tokens depend on
-its own seed and context only). Validation stays on the controller.
+its own seed and context only). Validation sample i goes to process i % processes the same
+way, one call per sample: a process plays its share concurrently as it does its groups, and
+the controller's own env.workers pool is never started (a greedy request's tokens do not
+depend on which process sent it either).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 from torchtitan_rl.config import Config
 from torchtitan_rl.controller.launcher import stop_meshes
-from torchtitan_rl.types import RolloutGroup
+from torchtitan_rl.types import Rollout, RolloutGroup, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +84,13 @@ class RolloutProcesses:
     async def play_group(self, sample: dict[str, Any], *, group_id: int, step: int) -> RolloutGroup:
         actor = self.actors[group_id % len(self.actors)]
         return await actor.play_group.call_one(sample, group_id, step)
+
+    async def play_single(
+        self, sample: dict[str, Any], *, group_id: int, sampling: SamplingParams, step: int
+    ) -> Rollout:
+        """One rollout of `sample` (rollout id 0), in process group_id % processes."""
+        actor = self.actors[group_id % len(self.actors)]
+        return await actor.play_single.call_one(sample, group_id, sampling, step)
 
     # ---- what the fleet tells them --------------------------------------------------------
     def replica_down(self, index: int) -> None:

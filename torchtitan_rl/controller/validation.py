@@ -1,23 +1,30 @@
-"""Greedy validation: one rollout per validation sample, logged as validation_reward/*."""
+"""Greedy validation: one rollout per validation sample, logged as validation_reward/*.
+
+With rollout.processes = K >= 1, sample i is played in rollout process i mod K (the fleet's
+`play_single`), like the step's groups; else on this loop through the fleet's generate_fn.
+Either way the rollouts are the same: greedy, and a request's tokens depend on its own
+context only, not on which process sent it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from torchtitan_rl.config.job import ValidationConfig
 from torchtitan_rl.controller.diagnostics import StepDiagnostics
+from torchtitan_rl.controller.fleet import GeneratorFleet
 from torchtitan_rl.controller.metrics import MetricsLogger, validation_metrics
 from torchtitan_rl.models.renderer import Renderer
 from torchtitan_rl.rollout.rollouter import Rollouter
-from torchtitan_rl.types import GenerateFn, RolloutGroup, SamplingParams
+from torchtitan_rl.types import RolloutGroup, SamplingParams
 
 
 async def validate(
     config: ValidationConfig, step: int, *, rollouter: Rollouter, renderer: Renderer,
-    environment, generate_fn: GenerateFn, diagnostics: StepDiagnostics,
-    metrics: MetricsLogger,
+    environment, fleet: GeneratorFleet, diagnostics: StepDiagnostics, metrics: MetricsLogger,
 ) -> float:  # fmt: skip
-    """Run `validation.num_samples` greedy rollouts through `generate_fn` after RL `step`,
+    """Run `validation.num_samples` greedy rollouts through the fleet after RL `step`,
     report and log them; returns validation_reward/mean (NaN without samples)."""
     samples = environment.validation_samples(config.num_samples)
     greedy = SamplingParams(
@@ -26,13 +33,11 @@ async def validate(
         stop_token_ids=tuple(renderer.stop_token_ids),
         stop_sequences=rollouter.stop_sequences,
     )
+    play = fleet.play_single or functools.partial(
+        rollouter.run_single_rollout, generate_fn=fleet.generate_fn, rollout_id=0
+    )
     rollouts = await asyncio.gather(
-        *(
-            rollouter.run_single_rollout(
-                s, generate_fn, group_id=i, rollout_id=0, sampling=greedy, step=-1
-            )
-            for i, s in enumerate(samples)
-        )
+        *(play(s, group_id=i, sampling=greedy, step=-1) for i, s in enumerate(samples))
     )
     diagnostics.report(step, [RolloutGroup(group_id=0, rollouts=rollouts)], training=False)
     scalars = validation_metrics(rollouts)

@@ -62,11 +62,12 @@ class RolloutConfig:
     fails) or was scored 0 by a scorer that raised on it (`envs.base.WrongAnswer`): such a run
     trains on nothing. >= 0; 0 never stops."""
     processes: int = 0
-    """Processes that play the training rollouts, each with its own environment, tokenizer
-    and env.workers, routing its turns over every generator replica (>= 0); 0: the
-    controller's own event loop. At hundreds of concurrent multi-turn rollouts one loop
-    cannot feed several generator GPUs (docs/benchmarks.md, "The controller's turn rate").
-    Validation runs on the controller either way."""
+    """Processes that play the rollouts (the step's groups and the validation samples), each
+    with its own environment, tokenizer and env.workers, routing its turns over every
+    generator replica (>= 0); 0: the controller's own event loop. At hundreds of concurrent
+    multi-turn rollouts one loop cannot feed several generator GPUs (docs/benchmarks.md, "The
+    controller's turn rate"). With processes >= 1 the controller's own env.workers never
+    start."""
     batch_timeout_s: float = 1800.0
     """Seconds a step waits for its batch before the run stops with one line saying what the
     generators were doing (> 0); a slow or stuck environment ends the run, never hangs it."""
