@@ -74,15 +74,19 @@ def test_run_train_sh_reads_paths_and_modules_from_the_folder_it_is_called_in(
          "file (/etc/hostname)"),
         ("--launcher.kind=slurm", "launcher.kind = \"slurm\" submits the job with Slurm's sbatch, "
          "which is not on PATH here"),
+        ("--weight_sync.transport=cuda_ipc", 'weight_sync.transport = "cuda_ipc" needs trainer '
+         "rank 0 and every generator on GPUs of one host, and this run is on CPU; valid here: "
+         '"auto", "broadcast", "delta", "controller"'),
     ],
 )  # fmt: skip
 def test_what_this_machine_lacks_stops_before_anything_is_written(tmp_path, override, needle):
     """Values wrong only for this machine (cores, a file where the folder goes, no sbatch on
-    PATH=/usr/bin:/bin) exit 2 with one line saying what it has; no run folder appears."""
+    PATH=/usr/bin:/bin, CUDA IPC without GPUs) exit 2 with one line saying what it has (no
+    traceback); no run folder appears."""
     rc, out, err = _run(
         f"--job.output_dir={tmp_path / 'runs'}", override, "--parallelism.device=cpu", cwd=tmp_path
     )
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1, err
-    assert lines[0].startswith("error: ") and needle in lines[0]
+    assert lines[0].startswith("error: ") and needle in lines[0] and "Traceback" not in out
     assert list(tmp_path.iterdir()) == []  # no run folder (nor outputs/ in the working folder)

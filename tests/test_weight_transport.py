@@ -1,20 +1,23 @@
 """Choosing and driving a weight transport (weight_sync/transport.py) against fake actors:
 CUDA IPC only when every generator sees the trainer's GPU, NCCL only when every member has a
-GPU of its own, a forced transport is taken, a group that cannot open falls back to the
-controller, a broken group reports the death a generator learns of later, and every
-replica gets every sync (relays: with its own index)."""
+GPU of its own, a forced transport is taken (and ends the run in one line when it cannot
+open, or is refused up front where it cannot work), "auto"'s pick that cannot open falls
+back to the controller with one warning line, a broken group reports the death a generator
+learns of later, and every replica gets every sync (relays: with its own index)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import SimpleNamespace
 
 import pytest
+from monarch.actor import ActorError
 
 from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
-from torchtitan_rl.weight_sync.config import AUTO_BY_BACKEND
+from torchtitan_rl.weight_sync.config import AUTO_BY_BACKEND, TRANSPORT_CHOICES, WeightSyncConfig
 from torchtitan_rl.weight_sync.strategies import TRANSPORTS
-from torchtitan_rl.weight_sync.transport import WeightSync, choose_transport
+from torchtitan_rl.weight_sync.transport import TransportUnavailable, WeightSync, choose_transport
 
 
 class _Values:
@@ -118,23 +121,137 @@ def test_the_broadcast_group_is_nccl_only_when_every_member_is_on_a_gpu():
     assert backend(None, "cpu") == "gloo"
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "delta"])
-def test_a_group_that_cannot_open_falls_back_to_the_controller(transport):
-    trainer = FakeTrainer(None)
-    refuse = trainer._open
+def _remote(error: Exception) -> ActorError:
+    """`error` as a failed actor call reports it: its text holds the remote traceback."""
+    try:
+        raise error
+    except Exception as e:
+        return ActorError(e)
+
+
+def _refusing(trainer: FakeTrainer, error: Exception) -> FakeTrainer:
+    """`trainer`, whose weights_open raises `error` for every transport but "controller"."""
+    opens = trainer._open
 
     def open_or_refuse(key, name, *args):
         if name != "controller":
-            raise OSError("no free port")
-        return refuse(key, name, *args)
+            raise error
+        return opens(key, name, *args)
 
     trainer.weights_open = _Endpoint(open_or_refuse)
-    gens = [FakeGenerator([])]
-    sync = asyncio.run(WeightSync.create(trainer, gens, "float32", transport))
+    return trainer
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "delta"])
+def test_auto_falls_back_to_the_controller_with_one_warning_line(monkeypatch, transport):
+    """With "auto", a pick that cannot open: the controller path, and one warning line
+    naming why (the remote exception, not its traceback); the traceback only at DEBUG."""
+    from torchtitan_rl.weight_sync import transport as module
+
+    monkeypatch.setitem(module.AUTO_BY_BACKEND, "gloo", transport)
+    trainer = _refusing(FakeTrainer(None), _remote(OSError("no free port")))
+    lines = _Lines()
+    module.logger.addHandler(lines)
+    monkeypatch.setattr(module.logger, "level", logging.DEBUG)
+    try:
+        gens = [FakeGenerator([])]
+        sync = asyncio.run(WeightSync.create(trainer, gens, "float32"))
+    finally:
+        module.logger.removeHandler(lines)
     assert sync.transport == "controller" and sync.backend is None
     asyncio.run(sync())
     assert gens[0].loaded == [("controller", 1), (f"payload-{sync.key}", 0)]
     assert sync.version == 3
+    shown = [r for r in lines.records if r.levelno >= logging.INFO]
+    assert [r.getMessage() for r in shown] == [
+        f'weight sync: "{transport}" could not be opened (OSError: no free port); syncing '
+        "through the controller (slower)"
+    ]
+    assert shown[0].exc_info is None
+    debug = [r for r in lines.records if r.levelno == logging.DEBUG]
+    assert len(debug) == 1 and debug[0].exc_info is not None
+
+
+@pytest.mark.parametrize(
+    "transport, error, why",
+    [
+        ("cuda_ipc", AssertionError("Torch not compiled with CUDA enabled"),
+         "AssertionError: Torch not compiled with CUDA enabled"),
+        ("broadcast", OSError("no free port"), "OSError: no free port"),
+        ("delta", RuntimeError("DistStoreError: wait timeout\nkeys: /0/1"),
+         "RuntimeError: DistStoreError: wait timeout"),
+    ],
+)  # fmt: skip
+def test_a_transport_set_by_name_that_cannot_open_ends_the_run_in_one_line(transport, error, why):
+    """No quiet fall back to the slowest path: one line naming weight_sync.transport, the
+    remote exception and the valid values; the CLI prints it as it is (train.one_line)."""
+    from torchtitan_rl.train import one_line
+
+    trainer = _refusing(FakeTrainer(None), _remote(error))
+    with pytest.raises(TransportUnavailable) as caught:
+        asyncio.run(WeightSync.create(trainer, [FakeGenerator([])], "float32", transport))
+    others = ", ".join(f'"{t}"' for t in TRANSPORT_CHOICES if t != transport)
+    assert str(caught.value) == (
+        f'weight_sync.transport = "{transport}" could not be opened ({why}); valid: {others} '
+        '("auto" falls back to "controller" when its pick cannot open)'
+    )
+    assert one_line(caught.value) == str(caught.value)
+    assert trainer.opened == []  # not reopened through the controller
+
+
+def test_a_death_while_a_named_transport_opens_is_reported_as_the_death():
+    from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+
+    trainer = _refusing(FakeTrainer(None), SupervisionError("generator_0: its process died"))
+    with pytest.raises(SupervisionError, match="its process died"):
+        asyncio.run(WeightSync.create(trainer, [FakeGenerator([])], "float32", "broadcast"))
+
+
+@pytest.mark.parametrize(
+    "on_gpus, one_host, why",
+    [
+        (False, True, "this run is on CPU"),
+        (True, False, "this run puts them on hosts of their own"),
+    ],
+)
+def test_cuda_ipc_set_by_name_is_refused_where_it_cannot_work(on_gpus, one_host, why):
+    """Before any process starts (preflight): CUDA IPC needs trainer rank 0 and every
+    generator on GPUs of one host; every other choice is valid on any run."""
+    with pytest.raises(ValueError) as caught:
+        WeightSyncConfig(transport="cuda_ipc").check_run(on_gpus=on_gpus, one_host=one_host)
+    assert str(caught.value) == (
+        'weight_sync.transport = "cuda_ipc" needs trainer rank 0 and every generator on GPUs '
+        f'of one host, and {why}; valid here: "auto", "broadcast", "delta", "controller"'
+    )
+    WeightSyncConfig(transport="cuda_ipc").check_run(on_gpus=True, one_host=True)
+    for choice in TRANSPORT_CHOICES:
+        if choice != "cuda_ipc":
+            WeightSyncConfig(transport=choice).check_run(on_gpus=False, one_host=False)
+
+
+def test_preflight_refuses_cuda_ipc_for_a_monarch_job():
+    """launcher.kind = "kubernetes" (set after loading: its client need not be installed
+    here): the generators run on hosts of their own."""
+    from test_config import TINY
+
+    from torchtitan_rl.config import load_config
+    from torchtitan_rl.controller.preflight import check_machine
+
+    config = load_config(TINY, ["--weight_sync.transport=cuda_ipc"])
+    config.launcher.kind = "kubernetes"
+    with pytest.raises(ValueError, match="this run puts them on hosts of their own"):
+        check_machine(config)
+    config.weight_sync.transport = "broadcast"
+    assert check_machine(config) is None
 
 
 def test_a_group_that_cannot_form_falls_back_to_the_controller():

@@ -1,6 +1,7 @@
 """Where the processes come from: the trainer mesh and one mesh per generator replica, and the
 actors spawned on them. The controller takes meshes from here and never asks for a host
-itself, so placement (which GPU, which host) is decided in this one module.
+itself. Placement (which GPU, which host) is decided in controller/placement.py: `plan` for
+this host (called by `launch_local` here), `plan_hosts` for a Monarch job (controller/hosts.py).
 
     meshes = await launch_local(config.parallelism, replicas=2)
     trainer = spawn_trainer(meshes.trainer, config, vocab_size=..., log_dir=...)

@@ -24,6 +24,7 @@ def check_machine(config: Config) -> Placement | None:
     check_output_dir(config.job.output_dir)
     check_submit_host(config.launcher.kind)
     if config.launcher.kind not in ("local", "process"):  # the hosts are other machines
+        config.weight_sync.check_run(on_gpus=config.parallelism.device != "cpu", one_host=False)
         return None
     placement = plan(config.parallelism, config.generator.num_replicas, config.generator.backend)
     if placement.gpus and config.launcher.kind == "process":
@@ -31,6 +32,9 @@ def check_machine(config: Config) -> Placement | None:
             'launcher.kind = "process" simulates hosts on one machine, where every '
             'host would take GPU 0; valid with it: parallelism.device = "cpu"'
         )
+    config.weight_sync.check_run(
+        on_gpus=bool(placement.gpus), one_host=not config.launcher.multi_host
+    )
     if not placement.gpus:
         check_cpu_procs(
             cores=usable_cores(),

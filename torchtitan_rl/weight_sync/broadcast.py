@@ -11,10 +11,11 @@ opens a group (`BroadcastSender`, a free port on its host) and returns a `Broadc
 record: where to meet, plus the layout every receiver allocates for. Then every member forms
 the group at once (`form`, within FORM_TIMEOUT, and one small broadcast through it), so an
 address the generators cannot reach shows at start, where `WeightSync.create` falls back to
-the controller path. At each sync both sides enter the same two broadcasts: the policy
-version (one int64), then the packed buffer (`packing.py` layout); weight_sync/delta.py sends
-only what changed instead. A group is left by dropping it (`close`: no collective, so a
-member that died cannot hang the others).
+the controller path (weight_sync.transport = "auto"; a transport set by name ends the run).
+At each sync both sides enter the same two broadcasts: the policy version (one int64), then
+the packed buffer (`packing.py` layout); weight_sync/delta.py sends only what changed
+instead. A group is left by dropping it (`close`: no collective, so a member that died
+cannot hang the others).
 
 Why gloo and not Monarch's RDMABuffer on CPU: without ibverbs RDMABuffer runs over its TCP
 fallback, slower than gloo's TCP (docs/hosts.md, "Measured here";

@@ -10,9 +10,11 @@ side, over the strategies of weight_sync/strategies.py (chosen once per sync).
   the bytes never pass through the controller.
 - "delta": the same group, sending only the elements that changed since the version every
   member holds (weight_sync/delta.py), a full send when one lacks it.
-- "controller": the fallback when a group cannot be opened (or forced with
+- "controller": the fallback of "auto" when its pick cannot be opened (or forced with
   `weight_sync.transport = "controller"`). Rank 0 returns the packed buffer on CPU and the
-  controller passes it to each generator.
+  controller passes it to each generator. A transport set by name that cannot be opened
+  ends the run (`TransportUnavailable`); one that cannot work in the run at all is refused
+  before it starts (`WeightSyncConfig.check_run`, controller/preflight.py).
 
 With [lora] on and a backend that merges adapters itself (backends.py `adapter_sync`), a
 sync moves only the adapters (weight_sync/lora_sync.py): `open` first sends the frozen base
@@ -37,11 +39,18 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ActorError
 
 from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
-from torchtitan_rl.weight_sync.config import AUTO_BY_BACKEND, TransportChoice
+from torchtitan_rl.weight_sync.config import AUTO_BY_BACKEND, TRANSPORT_CHOICES, TransportChoice
 from torchtitan_rl.weight_sync.lora_sync import NO_BASE, Payload
 from torchtitan_rl.weight_sync.strategies import TRANSPORTS, Transport, TransportName
 
 logger = logging.getLogger(__name__)
+
+
+class TransportUnavailable(RuntimeError):
+    """The transport weight_sync.transport names could not be opened in this run (a run
+    with "auto" falls back instead); the message is the one line shown."""
+
+    needs_no_traceback = True
 
 
 async def choose_transport(
@@ -111,9 +120,11 @@ class WeightSync:
     async def create(
         cls, trainer, generators, dtype: str, wanted: TransportChoice = "auto"
     ) -> WeightSync:
-        """The transport `choose_transport` picks, opened (a group formed); "controller",
-        with a warning, when it cannot be opened. Call again with another list of generators
-        when the set changes (`close` the old sync first)."""
+        """The transport `choose_transport` picks, opened (a group formed). When it cannot
+        be opened: with `wanted` "auto", "controller" and a one-line warning (the traceback
+        at DEBUG); with a transport named, TransportUnavailable; a member's death as it is.
+        Call again with another list of generators when the set changes (`close` the old
+        sync first)."""
         backend = await broadcast_backend(trainer, generators)
         transport = await choose_transport(trainer, generators, wanted, backend)
         payload, base_id = await _payload(trainer, generators)
@@ -121,9 +132,20 @@ class WeightSync:
         try:
             await sync.open(backend)
         except Exception as e:
-            if sync.transport == "controller":
+            if transport == "controller" or _is_death(e):
                 raise
-            logger.warning("weight sync %s: %s; syncing through the controller", transport, e)
+            why = _one_line(e)
+            if wanted != "auto":
+                others = ", ".join(f'"{t}"' for t in TRANSPORT_CHOICES if t != wanted)
+                raise TransportUnavailable(
+                    f'weight_sync.transport = "{wanted}" could not be opened ({why}); valid: '
+                    f'{others} ("auto" falls back to "controller" when its pick cannot open)'
+                ) from e
+            logger.warning(
+                'weight sync: "%s" could not be opened (%s); syncing through the controller '
+                "(slower)", transport, why,
+            )  # fmt: skip
+            logger.debug("weight sync: %s failed to open", transport, exc_info=e)
             sync.transport = "controller"
             await sync.open(backend)
         return sync
@@ -233,6 +255,15 @@ async def _payload(trainer, generators) -> tuple[Payload, int]:
     if base_id is None or None in held:
         return Payload.FULL, NO_BASE
     return Payload.ADAPTERS, base_id
+
+
+def _one_line(error: BaseException) -> str:
+    """`error` as one line: a failed actor call's remote exception, without the traceback
+    Monarch puts in its text (e.g. "AssertionError: Torch not compiled with CUDA enabled")."""
+    if isinstance(error, ActorError):
+        error = error.exception
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def _is_death(error: BaseException) -> bool:
