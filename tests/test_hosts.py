@@ -252,23 +252,29 @@ LOGGER_DIED = (
 
 
 @pytest.mark.parametrize("reported", [True, False])
-def test_a_broken_weight_broadcast_is_named_by_the_death_that_broke_it(monkeypatch, reported):
+@pytest.mark.parametrize("opening", [False, True])
+def test_a_broken_weight_broadcast_is_named_by_the_death_that_broke_it(
+    monkeypatch, reported, opening
+):
     """The trainer's broadcast fails at once when a generator dies; Monarch's report of the
     death comes seconds later (its own logger actor's first): the line names the generator.
-    Without any report, the broadcast's own one-line error stands."""
+    Without any report, the broadcast's own one-line error stands. The same when a named
+    transport could not be opened because a member died while the group formed."""
     import asyncio
     import threading
 
     from torchtitan_rl.controller import supervision
     from torchtitan_rl.controller.supervision import ActorFailure, Supervisor
     from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
+    from torchtitan_rl.weight_sync.transport import TransportUnavailable
 
     monkeypatch.setattr(supervision, "PEER_REPORT_WAIT_S", 3.0)
     sup = Supervisor(("trainer", "generator", "generator1"))
     sup.hosts = {"generator1": ["generator_1"]}
+    error = TransportUnavailable if opening else BroadcastBroken
 
     async def broken_sync():
-        raise BroadcastBroken("the weight broadcast failed: Connection closed by peer")
+        raise error("the weight broadcast failed: Connection closed by peer")
 
     async def scenario():
         sup.install()
@@ -286,7 +292,7 @@ def test_a_broken_weight_broadcast_is_named_by_the_death_that_broke_it(monkeypat
                            r"host generator_1\): its host stopped answering"):  # fmt: skip
             asyncio.run(scenario())
     else:
-        with pytest.raises(BroadcastBroken, match="Connection closed by peer"):
+        with pytest.raises(error, match="Connection closed by peer"):
             asyncio.run(scenario())
 
 

@@ -46,9 +46,11 @@ from torchtitan_rl.weight_sync.strategies import TRANSPORTS, Transport, Transpor
 logger = logging.getLogger(__name__)
 
 
-class TransportUnavailable(RuntimeError):
+class TransportUnavailable(BroadcastBroken):
     """The transport weight_sync.transport names could not be opened in this run (a run
-    with "auto" falls back instead); the message is the one line shown."""
+    with "auto" falls back instead); the message is the one line shown. A BroadcastBroken:
+    a member that died while the group formed may be the cause, so the fleet and the
+    Supervisor wait for a report of a death before this line stands."""
 
     needs_no_traceback = True
 
