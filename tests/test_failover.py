@@ -125,24 +125,6 @@ def test_the_supervisor_carries_on_after_a_survived_death_and_stops_on_another(t
     assert len(supervisor.survived) == 3  # the logger's reports went with ours
 
 
-def test_every_replica_down_for_the_timeout_stops_the_run_with_one_line(tmp_path):
-    fleet, supervisor = _fleet(tmp_path, "--generator.replicas_down_timeout_s=0.2")
-
-    async def scenario():
-        supervisor.install()
-        try:
-            fleet._start_all_down_timer()
-            with pytest.raises(ActorFailure) as failure:
-                await supervisor.watch(asyncio.get_running_loop().create_future())
-            return str(failure.value)
-        finally:
-            supervisor.uninstall()
-
-    line = asyncio.run(scenario())
-    assert line.startswith("every generator replica was down for 0.2 s")
-    assert "generator.replicas_down_timeout_s" in line and "\n" not in line
-
-
 def test_on_replica_death_stop_and_one_replica_leave_deaths_to_the_supervisor(tmp_path):
     assert _fleet(tmp_path)[0].survives
     assert not _fleet(tmp_path, "--generator.on_replica_death=stop")[0].survives
