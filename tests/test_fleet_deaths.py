@@ -7,7 +7,9 @@ import asyncio
 import numpy as np
 import pytest
 from test_failover import _fleet
+from test_faults import KILLED, _Failure
 
+from torchtitan_rl.controller import supervision
 from torchtitan_rl.controller.launcher import Meshes
 from torchtitan_rl.controller.supervision import ActorFailure
 from torchtitan_rl.types import Completion, FinishReason
@@ -163,3 +165,51 @@ def test_a_replica_that_rejoins_before_the_timeout_keeps_the_run_going(tmp_path)
     assert supervisor.fatal is None
     assert fleet.version == FakeSync.version and synced[0][0].endswith("_r1")
     assert answer.metrics["by"] in {r.name for r in fleet.replicas if r.up}
+
+
+# ---- generator.on_replica_death ------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["stop", "restart"])
+def test_a_replica_death_ends_the_run_under_stop_and_is_rerouted_under_restart(
+    tmp_path, monkeypatch, policy
+):
+    """Two calls in flight, one on each replica; replica 1's process dies (it never answers,
+    and Monarch reports it). "stop": the Supervisor ends the run with its line, nothing is
+    moved or restarted. "restart" (the default): its call is answered by replica 0."""
+    monkeypatch.setattr(supervision, "FAILURE_GRACE_S", 0.1)
+    fleet, supervisor = _fleet(tmp_path, f"--generator.on_replica_death={policy}")
+    report = KILLED.replace("generator{", "generator1{")
+
+    async def scenario():
+        meshes = await _start(fleet, restarts_start=False)
+        dying = meshes.generators[1].actor
+        dying.dead = True
+        try:
+            supervisor.where = "during RL step 3"
+            calls = [
+                fleet.generate_fn(np.zeros(2, np.int32), request_id=f"r{i}", session_id=f"s{i}")
+                for i in range(2)
+            ]
+
+            async def step():
+                pending = asyncio.gather(*calls)
+                while not dying.calls:
+                    await asyncio.sleep(0.01)
+                supervisor._on_failure(_Failure(report))  # as from Monarch's thread
+                return await pending
+
+            return await _watch(supervisor, step())
+        except ActorFailure as failure:
+            return failure
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+
+    out = asyncio.run(scenario())
+    if policy == "stop":
+        assert isinstance(out, ActorFailure) and out.actor == "generator1"
+        assert str(out).startswith("generator1 failed during RL step 3 (rank 0): ")
+        assert fleet.router.rerouted == 0 and all(r.incarnation == 0 for r in fleet.replicas)
+    else:
+        assert [c.metrics["by"] for c in out] == ["generator", "generator"]
+        assert fleet.router.rerouted == 1 and fleet.router.down == {1}
+        assert fleet.replicas[1].incarnation == 1  # its restart began
