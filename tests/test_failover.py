@@ -3,6 +3,7 @@ new name, rejoins at the next weight sync, and a seeded run replays bit for bit 
 
 import asyncio
 import os
+import re
 import signal
 import threading
 
@@ -268,7 +269,7 @@ def test_two_requests_rerouted_through_two_deaths_count_once_each_and_wait_for_a
     assert router.rerouted == 2  # requests, not attempts
 
 
-def test_replicas_restarted_while_none_is_up_get_weights_and_take_calls(tmp_path):
+def test_replicas_restarted_while_none_is_up_get_weights_and_take_calls(tmp_path, caplog):
     """No step can end (it waits on generation) to sync them in, so the fleet syncs them
     itself once restarted."""
     import contextvars
@@ -320,6 +321,8 @@ def test_replicas_restarted_while_none_is_up_get_weights_and_take_calls(tmp_path
     assert fleet.version == 5 and synced[0] == ("generator_r1",)
     assert fleet.replicas[0].up and fleet.router.down <= {1}
     assert fleet.replicas[1].up or fleet.replicas[1].joining
+    rejoined = [r.getMessage() for r in caplog.records if "rejoined" in r.getMessage()]
+    assert re.fullmatch(r"generator_r1 rejoined after \d+ s, at policy version 5", rejoined[0])
 
 
 def test_a_stopped_run_takes_the_weight_sync_in_flight_with_it(tmp_path):

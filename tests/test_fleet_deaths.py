@@ -3,6 +3,7 @@ generator processes on fake meshes, a death comes as the Supervisor's report or 
 `replica_down`, and a restart spawns a new fake process on the replica's fake host."""
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -135,7 +136,7 @@ def test_every_replica_down_for_the_timeout_stops_the_run_with_one_line(tmp_path
     assert "generator.replicas_down_timeout_s" in line and "\n" not in line
 
 
-def test_a_replica_that_rejoins_before_the_timeout_keeps_the_run_going(tmp_path):
+def test_a_replica_that_rejoins_before_the_timeout_keeps_the_run_going(tmp_path, caplog):
     """Both die; their new processes start, are given weights by the fleet itself (no step
     can end to sync them in) and take calls: the all-down timer is cancelled with them."""
     timeout = 0.5
@@ -165,6 +166,11 @@ def test_a_replica_that_rejoins_before_the_timeout_keeps_the_run_going(tmp_path)
     assert supervisor.fatal is None
     assert fleet.version == FakeSync.version and synced[0][0].endswith("_r1")
     assert answer.metrics["by"] in {r.name for r in fleet.replicas if r.up}
+    rejoined = [r.getMessage() for r in caplog.records if "rejoined" in r.getMessage()]
+    assert rejoined and all(
+        re.fullmatch(r"generator1?_r1 rejoined after \d+ s, at policy version 7", line)
+        for line in rejoined
+    )
 
 
 # ---- generator.on_replica_death ------------------------------------------------------------
