@@ -87,6 +87,61 @@ def test_staleness_is_counted_per_generated_token():
     assert metrics == {"rollout/staleness/mean": 0.75, "rollout/staleness/max": 1.0}
 
 
+class _Lagging:
+    """A replica answering at policy version `version`; `dies_at`: its call number that
+    finds its process dead (ReplicaDown), as do all later ones."""
+
+    def __init__(self, version, dies_at=None):
+        self.version, self.dies_at, self.calls = version, dies_at, []
+
+    async def __call__(self, prompt_ids, *, request_id, session_id=None, sampling=None):
+        from fakes import IM_END, encode, make_completion
+
+        from torchtitan_rl.rollout.router import ReplicaDown
+
+        self.calls.append(session_id)
+        if self.dies_at is not None and len(self.calls) >= self.dies_at:
+            raise ReplicaDown("replica")
+        ids = [*encode("ok"), IM_END]
+        return make_completion(ids, request_id=request_id, policy_version=self.version)
+
+
+def test_a_turn_rerouted_through_a_death_cannot_carry_its_rollout_past_the_bound():
+    """A 2-turn rollout's first turn is sampled at v3 by a replica that dies before its
+    second; the second is moved to a replica at v5. The rollout keeps both turns with their
+    own versions, so under rollout.max_staleness = 1 its group is dropped when v5 is updated
+    (the reroute does not relabel the v3 tokens), and kept under 2."""
+    from fakes import FakeEnvironment, FakeRenderer, ScriptedEnv, done, reply
+
+    from torchtitan_rl.envs.base import EnvConfig
+    from torchtitan_rl.rollout.rollout_config import RolloutConfig
+    from torchtitan_rl.rollout.rollouter import Rollouter
+    from torchtitan_rl.rollout.router import Router
+
+    env_config = EnvConfig(max_rollout_tokens=1000, max_turns=5)
+    config = RolloutConfig(
+        group_size=2, prompts_per_step=1, max_staleness=1, filter_zero_std_groups=False
+    )
+
+    def make_env(sample):
+        return ScriptedEnv([reply("more"), done()])
+
+    environment = FakeEnvironment(make_env, lambda r: 1.0, config=env_config)
+    rollouter = Rollouter(environment, FakeRenderer(), env_config, config, seed=0)
+    lagging, current = _Lagging(3, dies_at=2), _Lagging(5)
+    router = Router([lagging, current])
+
+    batch = asyncio.run(rollouter.collect_batch(1, 0, router))
+    (group,) = batch.groups
+    turn_versions = [[t.completion.policy_version_min for t in r.turns] for r in group.rollouts]
+    assert sorted(turn_versions) == [[3, 5], [5, 5]]
+    assert router.rerouted == 1 and router.down == {0}
+    kept, stale = split_stale([group], version=5, max_staleness=config.max_staleness)
+    assert kept == [] and stale == [group]
+    kept, stale = split_stale([group], version=5, max_staleness=2)
+    assert kept == [group] and stale == []
+
+
 # ---- the pipeline, under forced interleavings ----------------------------------------------
 class _Scripted:
     """collect(step) that finishes only when the test says so; logs start and end."""

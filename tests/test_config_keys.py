@@ -355,7 +355,7 @@ def test_rollout_stop_ends_the_greedy_validation_turns_too(tmp_path):
 def test_checkpoint_keep_latest_is_how_many_checkpoints_survive(tmp_path, keep):
     from torchtitan_rl.controller.checkpoints import ControllerState
 
-    store = _controller(tmp_path, f"--checkpoint.keep_latest={keep}").store
+    store = _controller(tmp_path, f"--checkpoint.keep_latest={keep}").folder.store
     for step in range(1, 6):
         tmp = store.begin(step)
         state = ControllerState.capture(step=step, next_sample=0, last_validation=0.0, history={})

@@ -144,15 +144,15 @@ def test_resume_lists_what_changed_and_refuses_another_model(tmp_path):
     _run_with_checkpoint(tmp_path, 3)
     config = load_config(TINY, [f"--job.output_dir={tmp_path}", "--training.lr=0.0001"])
     controller = Controller(config, use_tqdm=False)
-    assert controller.completed_step() == 3
-    assert controller.check_resume() == ["training.lr: 0.0004 -> 0.0001"]
+    assert controller.folder.completed_step() == 3
+    assert controller.folder.check_resume() == ["training.lr: 0.0004 -> 0.0001"]
     other = load_config(TINY, [f"--job.output_dir={tmp_path}", "--model.flavor=small"])
     with pytest.raises(ValueError, match=r"cannot resume .* changed model.flavor: 'tiny' -> "):
-        Controller(other, use_tqdm=False).check_resume()
+        Controller(other, use_tqdm=False).folder.check_resume()
     assert not (tmp_path / config.job.run_name / "config.toml").exists()  # nothing rewritten
     lora = load_config(TINY, [f"--job.output_dir={tmp_path}", "--lora.rank=8"])
     with pytest.raises(ValueError, match=r"cannot resume .* changed lora.rank: 0 -> 8: the "):
-        Controller(lora, use_tqdm=False).check_resume()
+        Controller(lora, use_tqdm=False).folder.check_resume()
 
 
 @pytest.mark.parametrize(
@@ -173,9 +173,11 @@ def test_a_lora_run_resumes_with_another_delivery_but_not_other_adapters(tmp_pat
     key = change[2:].split("=")[0]
     if refused:
         with pytest.raises(ValueError, match=rf"cannot resume .* changed {key}: .*: the "):
-            Controller(config, use_tqdm=False).check_resume()
+            Controller(config, use_tqdm=False).folder.check_resume()
     else:
-        assert [c.split(":")[0] for c in Controller(config, use_tqdm=False).check_resume()] == [key]
+        assert [
+            c.split(":")[0] for c in Controller(config, use_tqdm=False).folder.check_resume()
+        ] == [key]
 
 
 @pytest.mark.usefixtures("package_logger_restored")
@@ -198,7 +200,7 @@ def test_another_environment_does_not_resume_this_ones_run(tmp_path, monkeypatch
 def test_a_finished_run_is_complete_before_anything_starts(tmp_path):
     _run_with_checkpoint(tmp_path, 800)
     controller = Controller(load_config(TINY, [f"--job.output_dir={tmp_path}"]), use_tqdm=False)
-    assert controller.completed_step() == controller.config.training.last_step == 800
+    assert controller.folder.completed_step() == controller.config.training.last_step == 800
 
 
 def test_tensorboard_opens_a_dashboard_of_the_main_curves(tmp_path):

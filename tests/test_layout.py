@@ -141,6 +141,13 @@ def test_the_loop_holds_the_loop_only():
     } <= deps
 
 
+def test_the_controller_stays_under_300_lines():
+    """Issue 48: the Controller is a handful of verbs over owners of their own (the fleet,
+    the run folder, the pipeline); what grows goes to them."""
+    lines = (PACKAGE / "controller" / "loop.py").read_text().splitlines()
+    assert len(lines) < 300, len(lines)
+
+
 def test_the_two_engines_share_the_seam_and_import_neither_the_other():
     """Config, error completion and the async front live once in generation/interface.py;
     neither backend (nor the seam) imports the other backend's modules."""

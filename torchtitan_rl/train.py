@@ -101,11 +101,11 @@ def _train(config, debug: bool) -> int:
 
         check_machine(config)  # GPUs, cores, sbatch, the output folder
         controller = Controller(config)
-        done = controller.completed_step()
+        done = controller.folder.completed_step()
         if done >= controller.config.training.last_step:
             print(f"already complete: {controller.run_dir} holds the checkpoint of RL step {done}")
             return 0
-        controller.check_resume()
+        controller.folder.check_resume()
     except ValueError as e:  # a cross-section / file check of the controller
         return _fail(e, debug, 2)
     except Exception as e:  # e.g. a user environment failing to build
@@ -130,7 +130,7 @@ def _train(config, debug: bool) -> int:
 
 
 def _resume_hint(controller) -> str:
-    step = controller.completed_step()
+    step = controller.folder.completed_step()
     if step:
         return f"the same command resumes after RL step {step} (the latest checkpoint)"
     every = controller.config.checkpoint.interval

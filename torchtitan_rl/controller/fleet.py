@@ -38,7 +38,7 @@ from torchtitan_rl.controller.fleet_report import FleetReport, fleet_activity
 from torchtitan_rl.controller.launcher import Meshes, spawn_generator
 from torchtitan_rl.controller.processes import on_this_machine
 from torchtitan_rl.controller.replica import Replica, parse_replica_name, replica_name
-from torchtitan_rl.controller.rollout_processes import RolloutProcesses
+from torchtitan_rl.controller.rollout_processes import RolloutProcesses, process_names
 from torchtitan_rl.controller.supervision import PEER_REPORT_WAIT_S, Supervisor
 from torchtitan_rl.generation.backends import traits
 from torchtitan_rl.rollout.router import Router
@@ -62,7 +62,8 @@ class MemberDied(RuntimeError):
 
 
 class GeneratorFleet:
-    """Owns the generator replicas; the Controller uses its verbs only."""
+    """Owns the generator replicas; the Controller uses its verbs only. It adds its actors'
+    names (replicas, rollout processes, restarts) to the Supervisor's."""
 
     def __init__(self, config: Config, supervisor: Supervisor, *, vocab_size: int, log_dir):
         self.config = config
@@ -70,6 +71,8 @@ class GeneratorFleet:
         self.vocab_size = vocab_size
         self.log_dir = str(log_dir)
         n = config.generator.num_replicas
+        ours = (*self.names, *process_names(config.rollout.processes))
+        supervisor.names = (*supervisor.names, *(a for a in ours if a not in supervisor.names))
         self.survives = n >= 2 and config.generator.on_replica_death == "restart"
         """Whether a dead replica is survived (else any death ends the run)."""
         self.replicas: list[Replica] = []

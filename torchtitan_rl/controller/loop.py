@@ -19,7 +19,6 @@ from torchtitan_rl.config import Config, to_toml
 from torchtitan_rl.config.job import check_lengths
 from torchtitan_rl.controller import resume
 from torchtitan_rl.controller.ahead import RolloutPipeline
-from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
 from torchtitan_rl.controller.diagnostics import StepDiagnostics
 from torchtitan_rl.controller.fleet import GeneratorFleet
 from torchtitan_rl.controller.hosts import launch, stop_all
@@ -27,11 +26,7 @@ from torchtitan_rl.controller.launcher import Meshes, spawn_trainer
 from torchtitan_rl.controller.metrics import MetricsLogger
 from torchtitan_rl.controller.processes import kill_leftovers, record_processes
 from torchtitan_rl.controller.progress import progress_bar, rl_postfix
-from torchtitan_rl.controller.replica import replica_name
 from torchtitan_rl.controller.report import StepReport, StepReporter
-from torchtitan_rl.controller.rollout_processes import process_names
-from torchtitan_rl.controller.run_lock import RunLock
-from torchtitan_rl.controller.summary import SUMMARY_TAGS
 from torchtitan_rl.controller.supervision import Supervisor
 from torchtitan_rl.controller.train_stage import TrainStage
 from torchtitan_rl.controller.validation import validate as run_validation
@@ -78,14 +73,12 @@ class Controller:
         self.trainer_version = 0
         """The trainer's policy version: the one the next RL step updates."""
         self.last_validation = float("nan")
-        self.store = CheckpointStore(self.run_dir, config.checkpoint.keep_latest)
-        self.lock = RunLock(self.run_dir)
+        self.folder = resume.RunFolder(self.run_dir, config)
+        """The run folder's lock and checkpoints (`completed_step`, `check_resume`)."""
         self.log_dir = self.run_dir / "logs"
         """Where a process killed by a signal leaves its Python stacks (actors/fault_log.py)."""
-        replicas = [replica_name(i) for i in range(config.generator.num_replicas)]
-        rollout = process_names(config.rollout.processes)
-        self.supervisor = Supervisor(("trainer", *replicas, *rollout), self.log_dir)
-        self.fleet = GeneratorFleet(
+        self.supervisor = Supervisor(("trainer",), self.log_dir)
+        self.fleet = GeneratorFleet(  # adds its actors' names to the Supervisor's
             config, self.supervisor, vocab_size=self.tokenizer.vocab_size, log_dir=self.log_dir
         )
         """The generator replicas: processes, routing, weight delivery, failover."""
@@ -105,22 +98,11 @@ class Controller:
         self.trainer: TrainerActor | None = None
         """The trainer mesh's actors (endpoints are called on every rank)."""
 
-    def completed_step(self) -> int:
-        """The RL step of the latest complete checkpoint (0 without one); reads only."""
-        latest = self.store.latest()
-        return CheckpointStore.load_state(latest).step if latest else 0
-
-    def check_resume(self) -> list[str]:
-        """Before anything is written or spawned: how this config differs from the latest
-        checkpoint's (lines "key: old -> new"); ValueError for a change that cannot work."""
-        return resume.check_resume(self.store, self.config)
-
     async def start(self) -> None:
         """Spawn the meshes, restore the latest complete checkpoint if there is one, and give
         the generator the trainer's weights. Says whether it starts fresh or resumes."""
         cfg = self.config
-        self.lock.acquire()  # before anything in the folder is read for use or written
-        latest, state = resume.open_run(self.store, cfg, self.run_dir)
+        latest, state = self.folder.open()  # its lock first
         self.start_step = state.step if state else 0
         # on resume TensorBoard hides the events a killed run logged after the checkpoint
         self.metrics = MetricsLogger(
@@ -141,7 +123,11 @@ class Controller:
         # if they outlive their meshes
         self.local_processes = await record_processes(self.run_dir, self.trainer, self.fleet.actors)
         if state is not None:  # first: a checkpoint may hold the [lora] base the sync sends
-            await self.restore(latest, state)
+            self.supervisor.where = f"while loading {latest}"
+            self.ledger = await self.folder.restore(
+                self.trainer, latest, state, pipeline=self.pipeline, history=self.metrics.history
+            )
+            self.last_validation = state.last_validation
         await self.fleet.open_weight_sync()
         (self.run_dir / "config.toml").write_text(to_toml(cfg))  # after a successful restore
         await self.sync_weights()
@@ -156,31 +142,14 @@ class Controller:
         self.supervisor.uninstall()  # after the stops: a dying mesh still reports to it
         if self.metrics is not None:
             self.metrics.close()
-        self.lock.release()
-
-    async def restore(self, folder: Path, state: ControllerState) -> None:
-        self.supervisor.where = f"while loading {folder}"
-        await resume.restore(self.trainer, folder, state)
-        self.ledger = PromptLedger(next_fresh=state.next_sample, requeued=list(state.requeued))
-        self.pipeline.restore(state.step, resume.load_pending(folder))
-        self.last_validation = state.last_validation
-        for tag, series in state.history.items():
-            self.metrics.history[tag] = [(int(s), float(v)) for s, v in series]
+        self.folder.release()
 
     async def save_checkpoint(self, step: int) -> Path:
-        """The trainer's shards and the controller's state; batches generated ahead are kept
-        whole, and the prompts of batches still in flight are handed out again on resume."""
+        """The trainer's shards and the controller's state (`RunFolder.save`)."""
         self.supervisor.where = f"while saving the checkpoint of RL step {step}"
-        pending = self.pipeline.finished()
-        next_fresh, requeued = self.ledger.saved(keep=set(pending))
-        capture = functools.partial(
-            ControllerState.capture, step=step, next_sample=next_fresh, requeued=requeued,
-            last_validation=self.last_validation,
-            history={t: self.metrics.history.get(t, []) for t in SUMMARY_TAGS},
-        )  # fmt: skip
-        return await resume.save(
-            self.store, self.trainer, self.config, step, capture=capture,
-            pending=pending,
+        return await self.folder.save(
+            self.trainer, step, pipeline=self.pipeline, ledger=self.ledger,
+            last_validation=self.last_validation, history=self.metrics.history,
         )  # fmt: skip
 
     async def sync_weights(self) -> float:

@@ -1,5 +1,6 @@
 """Saving a run's state and continuing from it: what changed since the checkpoint, the
-restore, and the save (trainer shards, controller JSON, one atomic rename).
+restore, and the save (trainer shards, controller JSON, one atomic rename), held together
+with the run's lock for the Controller by `RunFolder`.
 
 The on-disk layout and the checks of a checkpoint's integrity live in `checkpoints`; this
 module decides what goes into one and what a resume may change.
@@ -15,7 +16,11 @@ from pathlib import Path
 import tomli
 
 from torchtitan_rl.config import Config, to_toml
+from torchtitan_rl.controller.ahead import RolloutPipeline
 from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
+from torchtitan_rl.controller.run_lock import RunLock
+from torchtitan_rl.controller.summary import SUMMARY_TAGS
+from torchtitan_rl.rollout.ledger import PromptLedger
 from torchtitan_rl.rollout.rollouter import CollectedBatch
 
 PENDING = "pending_batches.pkl"
@@ -108,13 +113,6 @@ def open_run(
     return latest, state
 
 
-async def restore(trainer, folder: Path, state: ControllerState) -> None:
-    """Load the trainer's shards of `folder` on every rank and the global RNGs; the caller
-    takes the rest of `state` (data position, last validation, summary series)."""
-    await trainer.load_checkpoint.call(str(folder / "trainer"))
-    state.restore_rngs()
-
-
 async def export_hf(trainer, config: Config, folder: Path) -> None:
     """The trainer's policy as a Hugging Face folder (checkpoint.export_dtype)."""
     await trainer.export_hf.call(
@@ -122,21 +120,81 @@ async def export_hf(trainer, config: Config, folder: Path) -> None:
     )
 
 
-async def save(
-    store: CheckpointStore, trainer, config: Config, step: int, *, capture,
-    pending: dict[int, CollectedBatch] | None = None,
-) -> Path:  # fmt: skip
-    """Trainer ranks write their shards, `export_hf` the Hugging Face copy when the
-    config asks for one, the controller the batches generated ahead (`pending`, by step) and
-    the JSON of `capture()` (taken last, so it holds the RNG states after everything else);
-    then one rename makes it complete."""
-    tmp = store.begin(step)
-    await trainer.save_checkpoint.call(str(tmp / "trainer"))
-    if config.checkpoint.export_hf:
-        await export_hf(trainer, config, tmp / "hf")
-    if pending:
-        (tmp / PENDING).write_bytes(pickle.dumps(pending, protocol=pickle.HIGHEST_PROTOCOL))
-    return store.commit(tmp, step, capture(), to_toml(config))
+class RunFolder:
+    """The run folder as the Controller holds it: one run at a time (its lock), the
+    checkpoints it saves, and the one it continues from.
+
+    folder = RunFolder(run_dir, config)
+    folder.completed_step()                 # 4: step_4 is the latest complete one (0: none)
+    latest, state = folder.open()           # the lock held; (None, None): a fresh run
+    ledger = await folder.restore(trainer, latest, state, pipeline=..., history=...)
+    await folder.save(trainer, 6, pipeline=..., ledger=..., last_validation=..., history=...)
+    folder.release()                        # the lock, at the run's end
+    """
+
+    def __init__(self, run_dir: Path, config: Config):
+        self.run_dir = run_dir
+        self.config = config
+        self.store = CheckpointStore(run_dir, config.checkpoint.keep_latest)
+        self.lock = RunLock(run_dir)
+
+    def completed_step(self) -> int:
+        """The RL step of the latest complete checkpoint (0 without one); reads only."""
+        latest = self.store.latest()
+        return CheckpointStore.load_state(latest).step if latest else 0
+
+    def check_resume(self) -> list[str]:
+        """Before anything is written or spawned: how the config differs from the latest
+        checkpoint's (`check_resume`); ValueError for a change that cannot work."""
+        return check_resume(self.store, self.config)
+
+    def open(self) -> tuple[Path | None, ControllerState | None]:
+        """Take the folder's lock (before anything in it is read for use or written), then
+        `open_run`: the latest complete checkpoint and its state."""
+        self.lock.acquire()
+        return open_run(self.store, self.config, self.run_dir)
+
+    def release(self) -> None:
+        """Let another run have the folder (safe before `open`)."""
+        self.lock.release()
+
+    async def restore(
+        self, trainer, folder: Path, state: ControllerState, *, pipeline: RolloutPipeline,
+        history: dict[str, list[tuple[int, float]]],
+    ) -> PromptLedger:  # fmt: skip
+        """Load the trainer's shards of `folder` on every rank and the global RNGs, give the
+        batches it kept to `pipeline` and its summary series to `history`; returns the prompt
+        ledger where it stopped (the caller takes `state.last_validation`)."""
+        await trainer.load_checkpoint.call(str(folder / "trainer"))
+        state.restore_rngs()
+        pipeline.restore(state.step, load_pending(folder))
+        for tag, series in state.history.items():
+            history[tag] = [(int(s), float(v)) for s, v in series]
+        return PromptLedger(next_fresh=state.next_sample, requeued=list(state.requeued))
+
+    async def save(
+        self, trainer, step: int, *, pipeline: RolloutPipeline, ledger: PromptLedger,
+        last_validation: float, history: dict[str, list[tuple[int, float]]],
+    ) -> Path:  # fmt: skip
+        """Trainer ranks write their shards, `export_hf` the Hugging Face copy when the config
+        asks for one; the batches generated ahead are kept whole, and the prompts of batches
+        still in flight are handed out again on resume. The controller's JSON is captured
+        last (it holds the RNG states after everything else); one rename makes it complete."""
+        config, store = self.config, self.store
+        pending = pipeline.finished()
+        next_fresh, requeued = ledger.saved(keep=set(pending))
+        tmp = store.begin(step)
+        await trainer.save_checkpoint.call(str(tmp / "trainer"))
+        if config.checkpoint.export_hf:
+            await export_hf(trainer, config, tmp / "hf")
+        if pending:
+            (tmp / PENDING).write_bytes(pickle.dumps(pending, protocol=pickle.HIGHEST_PROTOCOL))
+        state = ControllerState.capture(
+            step=step, next_sample=next_fresh, requeued=requeued,
+            last_validation=last_validation,
+            history={t: history.get(t, []) for t in SUMMARY_TAGS},
+        )  # fmt: skip
+        return store.commit(tmp, step, state, to_toml(config))
 
 
 def load_pending(folder: Path) -> dict[int, CollectedBatch]:

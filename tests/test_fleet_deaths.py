@@ -1,0 +1,221 @@
+"""Replica deaths through the fleet's own verbs (controller/fleet.py): `start` spawns fake
+generator processes on fake meshes, a death comes as the Supervisor's report or as
+`replica_down`, and a restart spawns a new fake process on the replica's fake host."""
+
+import asyncio
+import re
+
+import numpy as np
+import pytest
+from test_failover import _fleet
+from test_faults import KILLED, _Failure
+
+from torchtitan_rl.controller import supervision
+from torchtitan_rl.controller.launcher import Meshes
+from torchtitan_rl.controller.supervision import ActorFailure
+from torchtitan_rl.types import Completion, FinishReason
+
+WATCH_LIMIT_S = 20.0
+"""Bound on a scenario that should end on its own (a broken fleet fails, never hangs)."""
+
+
+class _Endpoint:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def call_one(self, *args):
+        return self.fn(*args)
+
+
+class FakeGenerator:
+    """A generator actor: answers `generate` at once with its name in the metrics, or never
+    (`dead`: its process is gone); `where` answers once its host lets new processes start."""
+
+    def __init__(self, name, host):
+        self.name, self.host, self.calls, self.dead = name, host, [], False
+        self.generate = _Endpoint(self._generate)
+        self.where = _Endpoint(self._where)
+        self.close = _Endpoint(self._close)
+
+    async def _generate(self, prompt_ids, request_id, session_id, sampling):
+        self.calls.append(request_id)
+        if self.dead:
+            await asyncio.Event().wait()  # a dead process never answers
+        return Completion(
+            request_id=request_id,
+            token_ids_N=np.zeros(1, np.int32),
+            logprobs_N=np.zeros(1, np.float32),
+            finish_reason=FinishReason.STOP,
+            metrics={"by": self.name},
+        )
+
+    async def _where(self):
+        await self.host.starts.wait()
+        return {"host": "another-host", "pid": 1}
+
+    async def _close(self):
+        return None
+
+
+class FakeMesh:
+    def __init__(self, host):
+        self.host, self.actor = host, None
+
+    def spawn(self, name, actor_class, **kwargs):
+        self.actor = FakeGenerator(name, self.host)
+        return self.actor
+
+    async def stop(self):
+        return None
+
+
+class FakeHost:
+    """A generator's host: a restart spawns its new process here; `starts` says whether a
+    new process comes up (else the restart waits, as one whose engine is being built)."""
+
+    def __init__(self, starts: bool):
+        self.starts = asyncio.Event()
+        if starts:
+            self.starts.set()
+
+    def spawn_procs(self, per_host):
+        return FakeMesh(self)
+
+
+class FakeSync:
+    """The weight sync: records the members of each sync and delivers `version`."""
+
+    version = 7
+
+    def __init__(self, synced):
+        self.synced = synced
+
+    async def __call__(self):
+        self.synced.append(self.members)
+
+
+async def _start(fleet, *, restarts_start: bool, synced: list | None = None):
+    """`fleet.start` over two fake processes; the weight sync is a FakeSync."""
+    hosts = [FakeHost(restarts_start) for _ in range(2)]
+    meshes = Meshes(trainer=None, generators=[FakeMesh(h) for h in hosts], generator_hosts=hosts)
+
+    async def open_weight_sync():  # the members of the real one, without the transport
+        fleet.weight_sync = FakeSync(synced if synced is not None else [])
+        members = [r for r in fleet.replicas if r.up or r.joining]
+        fleet.weight_sync.members = tuple(r.name for r in members)
+        fleet._members = fleet.weight_sync.members
+
+    fleet.open_weight_sync = open_weight_sync
+    fleet.supervisor.install()
+    await fleet.start(meshes, trainer=None, run_dir=None)
+    return meshes
+
+
+async def _watch(supervisor, awaitable):
+    return await asyncio.wait_for(supervisor.watch(awaitable), WATCH_LIMIT_S)
+
+
+# ---- every replica down (generator.replicas_down_timeout_s) --------------------------------
+def test_every_replica_down_for_the_timeout_stops_the_run_with_one_line(tmp_path):
+    fleet, supervisor = _fleet(tmp_path, "--generator.replicas_down_timeout_s=0.2")
+
+    async def scenario():
+        await _start(fleet, restarts_start=False)  # neither replica comes back
+        try:
+            fleet.replica_down(0)
+            fleet.replica_down(1)
+            with pytest.raises(ActorFailure) as failure:
+                await _watch(supervisor, asyncio.get_running_loop().create_future())
+            return str(failure.value)
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+
+    line = asyncio.run(scenario())
+    assert line.startswith("every generator replica was down for 0.2 s")
+    assert "generator.replicas_down_timeout_s" in line and "\n" not in line
+
+
+def test_a_replica_that_rejoins_before_the_timeout_keeps_the_run_going(tmp_path, caplog):
+    """Both die; their new processes start, are given weights by the fleet itself (no step
+    can end to sync them in) and take calls: the all-down timer is cancelled with them."""
+    timeout = 0.5
+    fleet, supervisor = _fleet(tmp_path, f"--generator.replicas_down_timeout_s={timeout}")
+    synced = []
+
+    async def scenario():
+        await _start(fleet, restarts_start=True, synced=synced)
+        try:
+            loop = asyncio.get_running_loop()
+            fleet.replica_down(0)
+            fleet.replica_down(1)
+            down_at = loop.time()
+
+            async def past_the_timeout():
+                while not any(r.up for r in fleet.replicas):  # (a fake restart: at once)
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(down_at + 2 * timeout - loop.time())
+                return await fleet.generate_fn(np.zeros(2, np.int32), request_id="after")
+
+            return await _watch(supervisor, past_the_timeout())
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+
+    answer = asyncio.run(scenario())
+    assert supervisor.fatal is None
+    assert fleet.version == FakeSync.version and synced[0][0].endswith("_r1")
+    assert answer.metrics["by"] in {r.name for r in fleet.replicas if r.up}
+    rejoined = [r.getMessage() for r in caplog.records if "rejoined" in r.getMessage()]
+    assert rejoined and all(
+        re.fullmatch(r"generator1?_r1 rejoined after \d+ s, at policy version 7", line)
+        for line in rejoined
+    )
+
+
+# ---- generator.on_replica_death ------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["stop", "restart"])
+def test_a_replica_death_ends_the_run_under_stop_and_is_rerouted_under_restart(
+    tmp_path, monkeypatch, policy
+):
+    """Two calls in flight, one on each replica; replica 1's process dies (it never answers,
+    and Monarch reports it). "stop": the Supervisor ends the run with its line, nothing is
+    moved or restarted. "restart" (the default): its call is answered by replica 0."""
+    monkeypatch.setattr(supervision, "FAILURE_GRACE_S", 0.1)
+    fleet, supervisor = _fleet(tmp_path, f"--generator.on_replica_death={policy}")
+    report = KILLED.replace("generator{", "generator1{")
+
+    async def scenario():
+        meshes = await _start(fleet, restarts_start=False)
+        dying = meshes.generators[1].actor
+        dying.dead = True
+        try:
+            supervisor.where = "during RL step 3"
+            calls = [
+                fleet.generate_fn(np.zeros(2, np.int32), request_id=f"r{i}", session_id=f"s{i}")
+                for i in range(2)
+            ]
+
+            async def step():
+                pending = asyncio.gather(*calls)
+                while not dying.calls:
+                    await asyncio.sleep(0.01)
+                supervisor._on_failure(_Failure(report))  # as from Monarch's thread
+                return await pending
+
+            return await _watch(supervisor, step())
+        except ActorFailure as failure:
+            return failure
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+
+    out = asyncio.run(scenario())
+    if policy == "stop":
+        assert isinstance(out, ActorFailure) and out.actor == "generator1"
+        assert str(out).startswith("generator1 failed during RL step 3 (rank 0): ")
+        assert fleet.router.rerouted == 0 and all(r.incarnation == 0 for r in fleet.replicas)
+    else:
+        assert [c.metrics["by"] for c in out] == ["generator", "generator"]
+        assert fleet.router.rerouted == 1 and fleet.router.down == {1}
+        assert fleet.replicas[1].incarnation == 1  # its restart began
