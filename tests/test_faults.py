@@ -27,6 +27,10 @@ KILLED = (
     "and all its descendants have failed:\n"
     "  the process this actor was running on failed: Killed(sig=9)"
 )
+QUERIED = (
+    "timeout waiting for message from proc mesh agent while querying for "
+    '"generator-AFvLhU7V2c2". The process likely crashed'
+)
 LOGGER = (
     "The actor logger-tTVtQ3vHas1{'procs': 1/2} and all its descendants have failed:\n"
     "  the process this actor was running on exited with non-zero code 5"
@@ -51,6 +55,11 @@ def test_failure_line_names_actor_rank_stage_and_reason():
         "ValueError: model.hf_checkpoint: tensor 'norm.weight' has shape (3,)"
     )
     assert describe_failure(LOGGER, names, "x").startswith("an actor failed x")
+    # a call that timed out on a crashed process names the actor's mesh only: no rank
+    assert describe_failure(QUERIED, names, "during RL step 3") == (
+        "generator failed during RL step 3: timeout waiting for message from proc mesh agent "
+        'while querying for "generator-AFvLhU7V2c2". The process likely crashed'
+    )
 
 
 class _Failure:

@@ -66,16 +66,22 @@ HOST_SILENT = "no status received from process"
 _COORD = re.compile(r"'\w+': (\d+)/(\d+)")
 
 
-def _actors(report: str) -> list[tuple[str, int]]:
+_QUERIED = re.compile(r'querying for "(\w+?)-\w+"')
+"""An actor mesh a failed call was waiting on: `... while querying for "generator-AFvLhU7V2c2".
+The process likely crashed` (the name given to spawn, then Monarch's suffix; no rank)."""
+
+
+def _actors(report: str) -> list[tuple[str, int | None]]:
     """(name, flat rank) of every actor a report names; the rank is row-major over the
-    mesh's dimensions (hosts, then processes per host), as `current_rank().rank`."""
-    found = []
+    mesh's dimensions (hosts, then processes per host), as `current_rank().rank`, or None
+    where the report names the actor's mesh only."""
+    found: list[tuple[str, int | None]] = []
     for name, point in _MESH_POINT.findall(report):
         rank = 0
         for index, size in _COORD.findall(point):
             rank = rank * int(size) + int(index)
         found.append((name, rank))
-    return found
+    return found + [(name, None) for name in _QUERIED.findall(report)]
 
 
 def after_run_report(failure) -> None:
@@ -94,7 +100,7 @@ class ActorFailure(RuntimeError):
         self.actor = actor
 
 
-def _our_actor(report: str, names: tuple[str, ...]) -> tuple[str, int] | None:
+def _our_actor(report: str, names: tuple[str, ...]) -> tuple[str, int | None] | None:
     """(name, rank) of the first actor the report names that is one of `names`."""
     return next(((n, r) for n, r in _actors(report) if n in names), None)
 
@@ -238,7 +244,7 @@ class Supervisor:
         line = describe_failure(report, self.names, self.where, self.hosts)
         name, rank = _our_actor(report, self.names) or (None, 0)
         if name is not None and self.log_dir is not None:
-            path = fault_log_path(self.log_dir, name, rank)
+            path = fault_log_path(self.log_dir, name, rank or 0)
             if path.is_file() and path.stat().st_size:
                 line += f"; its Python stacks at death: {path}"
         return ActorFailure(line, name)
