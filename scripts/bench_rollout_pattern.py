@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan_rl.train import leave
 from torchtitan_rl.types import FinishReason
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,3 +332,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave(0)  # skips Monarch's exit hook, which can time out after a run (see `leave`)

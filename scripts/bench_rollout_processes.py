@@ -30,6 +30,7 @@ from types import SimpleNamespace
 import numpy as np
 from monarch.actor import Actor, endpoint, this_host
 
+from torchtitan_rl.train import leave
 from torchtitan_rl.types import Completion, FinishReason
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,3 +195,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave(0)  # skips Monarch's exit hook, which can time out after a run (see `leave`)

@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from torchtitan_rl.train import leave
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -180,4 +182,4 @@ def print_table(result: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]) or 0)  # skips Monarch's exit hook (see `leave`)

@@ -59,3 +59,17 @@ def test_bench_smoke_runs(script, tmp_path):
     for package in optional_imports(script):
         if importlib.util.find_spec(package) is None:
             assert f"{package} is not installed" in run.stdout, output[-4000:]
+
+
+MONARCH = re.compile(r"^\s*from monarch\.actor import|import Controller\b", re.M)
+
+
+def test_scripts_that_start_monarch_exit_through_leave():
+    """Monarch's exit hook shuts the client mesh down again and, on a loaded host, prints a
+    `TimeoutError` traceback after the table (CI, bench_failover's smoke); `train.leave`
+    flushes and skips it, as `train.py` does."""
+    scripts = [p for p in sorted((ROOT / "scripts").glob("*.py")) if MONARCH.search(p.read_text())]
+    assert {"bench_failover.py", "bench_weight_sync.py"} <= {p.name for p in scripts}
+    for path in scripts:
+        main_block = path.read_text().split('if __name__ == "__main__":')[-1]
+        assert "leave(" in main_block, f"{path.name} exits through Monarch's exit hook"
