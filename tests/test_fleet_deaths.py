@@ -219,3 +219,55 @@ def test_a_replica_death_ends_the_run_under_stop_and_is_rerouted_under_restart(
         assert [c.metrics["by"] for c in out] == ["generator", "generator"]
         assert fleet.router.rerouted == 1 and fleet.router.down == {1}
         assert fleet.replicas[1].incarnation == 1  # its restart began
+
+
+# ---- a weight sync reopened over a restarted replica ---------------------------------------
+@pytest.mark.parametrize("dies", [False, True])
+def test_a_reopened_sync_that_fails_is_retried_only_when_a_member_died(
+    tmp_path, monkeypatch, caplog, dies
+):
+    """Replica 1 died and its new process joins: the sync is opened again over the new
+    members. A named transport that cannot open for another reason (no free port) ends the
+    run with its own line after one try, not taken for a death; when the joining process
+    dies while the group forms, the sync is tried again over the live ones."""
+    from torchtitan_rl.controller import fleet as fleet_module
+    from torchtitan_rl.weight_sync.transport import TransportUnavailable
+
+    monkeypatch.setattr(fleet_module, "PEER_REPORT_WAIT_S", 0.3)
+    fleet, supervisor = _fleet(tmp_path)
+    opened = []
+
+    async def scenario():
+        await _start(fleet, restarts_start=True)
+        try:
+            await fleet.open_weight_sync()  # at start, over both replicas
+            good_open = fleet.open_weight_sync
+            fleet.replica_down(1)
+            while not fleet.replicas[1].joining:
+                await asyncio.sleep(0.01)
+
+            async def open_weight_sync():
+                opened.append(tuple(r.name for r in fleet.replicas if r.up or r.joining))
+                if len(opened) > 1:
+                    return await good_open()
+                if dies:
+                    fleet.replica_down(1)  # as the Supervisor's report of it would
+                raise TransportUnavailable('weight_sync.transport = "broadcast" could not be '
+                                           "opened (OSError: no free port)")  # fmt: skip
+
+            fleet.open_weight_sync = open_weight_sync
+            await asyncio.wait_for(fleet.sync(), WATCH_LIMIT_S)
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+
+    retried = "weight sync: a replica died during it; again over the live ones"
+    if dies:
+        asyncio.run(scenario())
+        assert len(opened) == 2 and fleet.version == FakeSync.version
+        assert [r.getMessage() for r in caplog.records].count(retried) == 1
+    else:
+        with pytest.raises(TransportUnavailable, match="no free port"):
+            asyncio.run(scenario())
+        assert opened == [("generator", "generator1_r1")]
+        assert retried not in [r.getMessage() for r in caplog.records]

@@ -218,7 +218,7 @@ class GeneratorFleet:
             except Exception as e:
                 if not self.survives or attempt == SYNC_ATTEMPTS - 1:
                     raise
-                if not await self._a_member_died(e):
+                if not await self._a_member_died(e, members):
                     raise
                 logger.warning("weight sync: a replica died during it; again over the live ones")
         self.version = self.weight_sync.version
@@ -244,9 +244,10 @@ class GeneratorFleet:
             raise MemberDied("a member of the weight sync died during it")
         task.result()
 
-    async def _a_member_died(self, error: BaseException) -> bool:
-        """After a failed sync: whether a member of it is now known dead (waiting for the
-        Supervisor's report when the error itself does not say so)."""
+    async def _a_member_died(self, error: BaseException, members: tuple[str, ...]) -> bool:
+        """After a failed sync over `members`: whether one of them is now known dead (waiting
+        for the Supervisor's report when the error itself does not say so). Not against
+        `_members`: after a failed reopen those are the last group's, not the attempt's."""
         if isinstance(error, MemberDied):
             return True
         if not (is_death(error) or isinstance(error, BroadcastBroken)):
@@ -255,7 +256,7 @@ class GeneratorFleet:
         deadline = loop.time() + PEER_REPORT_WAIT_S
         while loop.time() < deadline:
             live = tuple(r.name for r in self.replicas if r.up or r.joining)
-            if live != self._members:
+            if live != members:
                 return True
             await asyncio.sleep(0.2)
         return False
