@@ -271,3 +271,53 @@ def test_a_reopened_sync_that_fails_is_retried_only_when_a_member_died(
             asyncio.run(scenario())
         assert opened == [("generator", "generator1_r1")]
         assert retried not in [r.getMessage() for r in caplog.records]
+
+
+def test_a_replica_that_dies_while_the_first_weight_group_forms_is_survived(tmp_path, monkeypatch):
+    """`Controller.start` with 2 replicas and a named transport: replica 1 dies while the
+    first group forms. The sync is tried again over the live replica (the death is survived,
+    as mid-run), not reported as a transport that could not be opened."""
+    from test_resume import tiny_config
+
+    from torchtitan_rl.controller import fleet as fleet_module
+    from torchtitan_rl.controller import loop
+    from torchtitan_rl.weight_sync.transport import TransportUnavailable
+
+    monkeypatch.setattr(fleet_module, "PEER_REPORT_WAIT_S", 0.3)
+    config = tiny_config(
+        tmp_path, "start", "--generator.num_replicas=2", "--weight_sync.transport=broadcast"
+    )
+    controller = loop.Controller(config, use_tqdm=False)
+    fleet, opened, synced = controller.fleet, [], []
+    hosts = [FakeHost(starts=False) for _ in range(2)]  # the restarted one stays starting
+
+    async def launch(cfg, replicas):
+        return Meshes(trainer=None, generators=[FakeMesh(h) for h in hosts], generator_hosts=hosts)
+
+    async def no_processes(*args):
+        return []
+
+    async def open_weight_sync():
+        members = tuple(r.name for r in fleet.replicas if r.up or r.joining)
+        opened.append(members)
+        if len(opened) == 1:
+            fleet.replica_down(1)  # as the Supervisor's report of its death would
+            raise TransportUnavailable('weight_sync.transport = "broadcast" could not be '
+                                       "opened (RuntimeError: a peer closed the connection)")  # fmt: skip
+        fleet.weight_sync, fleet._members = FakeSync(synced), members
+        fleet.weight_sync.members = members
+
+    monkeypatch.setattr(loop, "launch", launch)
+    monkeypatch.setattr(loop, "spawn_trainer", lambda *args, **kwargs: None)
+    monkeypatch.setattr(loop, "record_processes", no_processes)
+    fleet.open_weight_sync = open_weight_sync
+
+    async def scenario():
+        try:
+            await asyncio.wait_for(controller.start(), WATCH_LIMIT_S)
+        finally:
+            await controller.close()
+
+    asyncio.run(scenario())
+    assert opened == [("generator", "generator1"), ("generator",)]
+    assert synced == [("generator",)] and controller.trainer_version == FakeSync.version

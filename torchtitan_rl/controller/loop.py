@@ -128,9 +128,8 @@ class Controller:
                 self.trainer, latest, state, pipeline=self.pipeline, history=self.metrics.history
             )
             self.last_validation = state.last_validation
-        await self.fleet.open_weight_sync()
         (self.run_dir / "config.toml").write_text(to_toml(cfg))  # after a successful restore
-        await self.sync_weights()
+        await self.sync_weights()  # opens the weight sync: a replica dying meanwhile is survived
 
     async def close(self) -> None:
         """Stop the actors and meshes (bounded waits: an actor may be dead or stuck)."""
