@@ -14,6 +14,7 @@ from torchtitan_rl.controller import supervision
 from torchtitan_rl.controller.launcher import Meshes
 from torchtitan_rl.controller.supervision import ActorFailure
 from torchtitan_rl.types import Completion, FinishReason
+from torchtitan_rl.weight_sync.transport import TransportUnavailable
 
 WATCH_LIMIT_S = 20.0
 """Bound on a scenario that should end on its own (a broken fleet fails, never hangs)."""
@@ -231,7 +232,6 @@ def test_a_reopened_sync_that_fails_is_retried_only_when_a_member_died(
     run with its own line after one try, not taken for a death; when the joining process
     dies while the group forms, the sync is tried again over the live ones."""
     from torchtitan_rl.controller import fleet as fleet_module
-    from torchtitan_rl.weight_sync.transport import TransportUnavailable
 
     monkeypatch.setattr(fleet_module, "PEER_REPORT_WAIT_S", 0.3)
     fleet, supervisor = _fleet(tmp_path)
@@ -281,7 +281,6 @@ def test_a_replica_that_dies_while_the_first_weight_group_forms_is_survived(tmp_
 
     from torchtitan_rl.controller import fleet as fleet_module
     from torchtitan_rl.controller import loop
-    from torchtitan_rl.weight_sync.transport import TransportUnavailable
 
     monkeypatch.setattr(fleet_module, "PEER_REPORT_WAIT_S", 0.3)
     config = tiny_config(
@@ -321,3 +320,39 @@ def test_a_replica_that_dies_while_the_first_weight_group_forms_is_survived(tmp_
     asyncio.run(scenario())
     assert opened == [("generator", "generator1"), ("generator",)]
     assert synced == [("generator",)] and controller.trainer_version == FakeSync.version
+
+
+def test_a_regrouped_sync_opens_a_new_group_and_survives_a_death_while_it_forms(tmp_path):
+    """After the warm start changed the [lora] base (`regroup`), the next sync opens a new
+    group (the base goes out first) inside the sync's retries: replica 1 dying while it forms
+    is survived. A sync without `regroup` keeps the group it has."""
+    fleet, supervisor = _fleet(tmp_path)
+    opened, synced = [], []
+
+    async def scenario():
+        await _start(fleet, restarts_start=False, synced=synced)
+        try:
+            await fleet.open_weight_sync()  # at start, over both replicas
+            good_open = fleet.open_weight_sync
+
+            async def open_weight_sync():
+                opened.append(tuple(r.name for r in fleet.replicas if r.up or r.joining))
+                if len(opened) == 1:
+                    fleet.replica_down(1)  # as the Supervisor's report of its death would
+                    raise TransportUnavailable('weight_sync.transport = "broadcast" could not '
+                                               "be opened (RuntimeError: a peer left)")  # fmt: skip
+                await good_open()
+                fleet._regroup = False  # as the real one does once it opened
+
+            fleet.open_weight_sync = open_weight_sync
+            await asyncio.wait_for(fleet.sync(), WATCH_LIMIT_S)  # keeps its group
+            assert opened == []
+            fleet.regroup()
+            await asyncio.wait_for(fleet.sync(), WATCH_LIMIT_S)
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+
+    asyncio.run(scenario())
+    assert opened == [("generator", "generator1"), ("generator",)]
+    assert synced == [("generator", "generator1"), ("generator",)]

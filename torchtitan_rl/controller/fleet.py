@@ -94,6 +94,7 @@ class GeneratorFleet:
         controller kills those left over at close, as it does its first ones)."""
         self._members: tuple[str, ...] = ()
         """Actor names the current weight sync was formed over."""
+        self._regroup = False  # see `regroup`
         self.report = FleetReport()
         """The counters last reported (`metrics`, `engine_metrics` report since then)."""
         self._all_down: asyncio.TimerHandle | None = None
@@ -176,7 +177,7 @@ class GeneratorFleet:
             cfg.weight_sync.transport,
         )  # fmt: skip
         self.weight_sync.peer_failure_wait_s = max(30.0, cfg.launcher.host_timeout_s + 20.0)
-        self._members = tuple(r.name for r in members)
+        self._members, self._regroup = tuple(r.name for r in members), False
         sync = self.weight_sync
         backend = f" ({sync.backend})" if sync.backend else ""
         base = f", the base to {sync.base_sent_to} first" if sync.base_sent_to else ""
@@ -184,6 +185,11 @@ class GeneratorFleet:
             "weight sync: %s%s, %s%s; opened in %.2f s",
             sync.transport, backend, sync.payload, base, time.perf_counter() - t0,
         )  # fmt: skip
+
+    def regroup(self) -> None:
+        """The next `sync` opens a new group (after the warm start changed the [lora] base,
+        which goes out first when one opens), inside its retries: a death meanwhile is survived."""
+        self._regroup = True
 
     def _spawn(self, mesh, index: int, name: str):
         placement = self.meshes.placement
@@ -211,7 +217,7 @@ class GeneratorFleet:
             members = tuple(r.name for r in self.replicas if r.up or r.joining)
             self._member_died.clear()
             try:
-                if self.weight_sync is None or members != self._members:
+                if self.weight_sync is None or members != self._members or self._regroup:
                     await self.open_weight_sync()  # a member may die here too
                 await self._unless_a_member_dies(self.weight_sync())
                 break

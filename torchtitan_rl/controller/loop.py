@@ -167,9 +167,10 @@ class Controller:
             pack=self.stage.pack, trainer=self.trainer, metrics=self.metrics,
             supervisor=self.supervisor, use_tqdm=self.use_tqdm,
         )  # fmt: skip
-        if any((await self.trainer.end_warm_start.call()).values()):  # a new [lora] base
-            await self.fleet.open_weight_sync()  # goes out first
-        if steps:
+        new_base = any((await self.trainer.end_warm_start.call()).values())  # [lora]
+        if new_base:
+            self.fleet.regroup()  # the new base goes out first
+        if steps or new_base:
             await self.sync_weights()
 
     async def validate(self, step: int) -> float:
