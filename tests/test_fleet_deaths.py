@@ -230,12 +230,18 @@ def test_a_reopened_sync_that_fails_is_retried_only_when_a_member_died(
     """Replica 1 died and its new process joins: the sync is opened again over the new
     members. A named transport that cannot open for another reason (no free port) ends the
     run with its own line after one try, not taken for a death; when the joining process
-    dies while the group forms, the sync is tried again over the live ones."""
+    dies while the group forms, the sync is tried again over the live ones. The fleet waited
+    for a report of a death already: the Supervisor does not wait for one again."""
     from torchtitan_rl.controller import fleet as fleet_module
 
     monkeypatch.setattr(fleet_module, "PEER_REPORT_WAIT_S", 0.3)
     fleet, supervisor = _fleet(tmp_path)
-    opened = []
+    opened, waits = [], []
+
+    async def wait_for_named_report(*args, **kwargs):
+        waits.append(args)
+
+    monkeypatch.setattr(supervisor, "_wait_for_named_report", wait_for_named_report)
 
     async def scenario():
         await _start(fleet, restarts_start=True)
@@ -256,7 +262,7 @@ def test_a_reopened_sync_that_fails_is_retried_only_when_a_member_died(
                                            "opened (OSError: no free port)")  # fmt: skip
 
             fleet.open_weight_sync = open_weight_sync
-            await asyncio.wait_for(fleet.sync(), WATCH_LIMIT_S)
+            await _watch(supervisor, fleet.sync())
         finally:
             await fleet.close()
             supervisor.uninstall()
@@ -271,6 +277,7 @@ def test_a_reopened_sync_that_fails_is_retried_only_when_a_member_died(
             asyncio.run(scenario())
         assert opened == [("generator", "generator1_r1")]
         assert retried not in [r.getMessage() for r in caplog.records]
+        assert waits == []  # the line stands after the fleet's wait (0.3 s here), not 30 s more
 
 
 def test_a_replica_that_dies_while_the_first_weight_group_forms_is_survived(tmp_path, monkeypatch):

@@ -265,6 +265,7 @@ class GeneratorFleet:
             if live != members:
                 return True
             await asyncio.sleep(0.2)
+        error.reports_awaited = True  # the Supervisor need not wait for a report again
         return False
 
     def _rejoin(self, replica: Replica) -> None:

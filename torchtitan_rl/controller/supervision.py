@@ -295,7 +295,7 @@ class Supervisor:
     async def _result(self, task: asyncio.Future) -> T:
         """The finished task's result, or its error as ActorFailure when it was a death."""
         error = None if task.cancelled() else task.exception()
-        if isinstance(error, BroadcastBroken):
+        if isinstance(error, BroadcastBroken) and not getattr(error, "reports_awaited", False):
             await self._wait_for_named_report(PEER_REPORT_WAIT_S, reported=False)
         if isinstance(error, BroadcastBroken) and self.reports:
             raise self.failure() from error  # the death that broke it, named
