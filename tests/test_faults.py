@@ -92,6 +92,35 @@ def test_a_failure_report_ends_a_hung_await_within_the_grace_period():
     assert asyncio.run(scenario()) < 5
 
 
+@pytest.mark.parametrize("survived", [False, True])
+def test_a_death_reported_while_the_awaited_call_finishes_still_ends_it(survived):
+    """A validation's calls on a dead generator fail at once and it finishes (its lost
+    rollouts scored) just after the report: the death still ends the run with its line
+    (generator.on_replica_death = "stop", one replica), unless the fleet survives it."""
+    supervisor = Supervisor(("trainer", "generator"))
+    supervisor.survive = lambda name: survived
+
+    async def validation():
+        while not supervisor.reports and not supervisor.survived:
+            await asyncio.sleep(0.01)
+        return "validated"
+
+    async def scenario():
+        supervisor.install()
+        try:
+            supervisor.where = "while validating after RL step 8"
+            threading.Timer(0.1, supervisor._on_failure, [_Failure(KILLED)]).start()
+            return await supervisor.watch(validation())
+        finally:
+            supervisor.uninstall()
+
+    if survived:
+        assert asyncio.run(scenario()) == "validated"
+    else:
+        with pytest.raises(ActorFailure, match="generator failed while validating after RL step 8"):
+            asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("route", ["report", "endpoint error"])
 def test_a_death_first_reported_by_monarchs_own_actor_is_named_by_ours(route):
     """Monarch's logger on the dead process can report before our actor does (seen in CI:

@@ -307,4 +307,11 @@ class Supervisor:
                 # Monarch's own actors on that process may speak first; ours follows
                 translated = await self._named_failure() or translated
             raise translated from error
+        if self.fatal is not None:
+            raise self.fatal
+        if self.reports:  # a death not survived came while it finished (it may have gone on
+            # past it: a validation scores its lost rollouts): it ends the run all the same
+            failure = await self._named_failure()
+            if failure is not None or self.reports:
+                raise failure or self.failure()
         return task.result()
