@@ -337,6 +337,36 @@ def test_validation_num_samples_and_max_tokens_shape_the_greedy_requests(tmp_pat
     assert {c.sampling.stop_sequences for c in calls} == {()}
 
 
+def test_rollout_batch_timeout_s_bounds_a_validation_too(tmp_path):
+    """A generator call that never returns ends the validation after
+    rollout.batch_timeout_s with one line saying what the generators were doing."""
+    import asyncio
+
+    from torchtitan_rl.controller.ahead import BatchTimeout
+
+    controller = _controller(
+        tmp_path, "--warm_start.steps=0", "--validation.num_samples=3",
+        "--rollout.batch_timeout_s=0.2",
+    )  # fmt: skip
+    pending = []
+
+    async def never(prompt_ids, request_id, session_id, sampling):
+        pending.append(request_id)
+        await asyncio.Event().wait()
+
+    async def activity():
+        return f"generator: {len(pending)} calls in flight"
+
+    controller.fleet.generate_fn, controller.metrics = never, _NoMetrics()
+    controller.fleet.activity = activity
+    with pytest.raises(BatchTimeout) as timeout:
+        asyncio.run(asyncio.wait_for(controller.validate(4), 20))  # unbounded: TimeoutError
+    assert str(timeout.value) == (
+        "validation after RL step 4 unfinished after 0.2 s (rollout.batch_timeout_s): "
+        "generator: 3 calls in flight"
+    )
+
+
 def test_rollout_stop_ends_the_greedy_validation_turns_too(tmp_path):
     import asyncio
 

@@ -178,7 +178,7 @@ class Controller:
         self.last_validation = await run_validation(
             self.config.validation, step, rollouter=self.rollouter, renderer=self.renderer,
             environment=self.environment, fleet=self.fleet, diagnostics=self.diagnostics,
-            metrics=self.metrics,
+            metrics=self.metrics, timeout_s=self.config.rollout.batch_timeout_s,
         )  # fmt: skip
         return self.last_validation
 

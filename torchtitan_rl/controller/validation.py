@@ -12,6 +12,7 @@ import asyncio
 import functools
 
 from torchtitan_rl.config.job import ValidationConfig
+from torchtitan_rl.controller.ahead import BatchTimeout
 from torchtitan_rl.controller.diagnostics import StepDiagnostics
 from torchtitan_rl.controller.fleet import GeneratorFleet
 from torchtitan_rl.controller.metrics import MetricsLogger, validation_metrics
@@ -23,9 +24,11 @@ from torchtitan_rl.types import RolloutGroup, SamplingParams
 async def validate(
     config: ValidationConfig, step: int, *, rollouter: Rollouter, renderer: Renderer,
     environment, fleet: GeneratorFleet, diagnostics: StepDiagnostics, metrics: MetricsLogger,
+    timeout_s: float,
 ) -> float:  # fmt: skip
     """Run `validation.num_samples` greedy rollouts through the fleet after RL `step`,
-    report and log them; returns validation_reward/mean (NaN without samples)."""
+    report and log them; returns validation_reward/mean (NaN without samples). BatchTimeout
+    after `timeout_s` (rollout.batch_timeout_s) without them, naming what the generators do."""
     samples = environment.validation_samples(config.num_samples)
     greedy = SamplingParams(
         temperature=0.0,
@@ -36,10 +39,26 @@ async def validate(
     play = fleet.play_single or functools.partial(
         rollouter.run_single_rollout, generate_fn=fleet.generate_fn, rollout_id=0
     )
-    rollouts = await asyncio.gather(
+    playing = asyncio.gather(
         *(play(s, group_id=i, sampling=greedy, step=-1) for i, s in enumerate(samples))
     )
+    done, _ = await asyncio.wait({playing}, timeout=timeout_s)
+    if not done:
+        playing.add_done_callback(_read)  # its CancelledError, so it is not logged at exit
+        playing.cancel()
+        raise BatchTimeout(
+            f"validation after RL step {step} unfinished after {timeout_s:g} s "
+            f"(rollout.batch_timeout_s): {await fleet.activity()}"
+        )
+    rollouts = playing.result()
     diagnostics.report(step, [RolloutGroup(group_id=0, rollouts=rollouts)], training=False)
     scalars = validation_metrics(rollouts)
     metrics.log(scalars, step)
     return scalars.get("validation_reward/mean", float("nan"))
+
+
+def _read(future: asyncio.Future) -> None:
+    try:
+        future.exception()
+    except asyncio.CancelledError:
+        pass

@@ -69,8 +69,9 @@ class RolloutConfig:
     controller's turn rate"). With processes >= 1 the controller's own env.workers never
     start."""
     batch_timeout_s: float = 1800.0
-    """Seconds a step waits for its batch before the run stops with one line saying what the
-    generators were doing (> 0); a slow or stuck environment ends the run, never hangs it."""
+    """Seconds a step waits for its batch (and a validation for its rollouts) before the run
+    stops with one line saying what the generators were doing (> 0); a slow or stuck
+    environment or generator ends the run, never hangs it."""
 
     def validate(self) -> None:
         for name in ("group_size", "prompts_per_step", "max_tokens"):
