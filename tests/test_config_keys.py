@@ -367,6 +367,43 @@ def test_rollout_batch_timeout_s_bounds_a_validation_too(tmp_path):
     )
 
 
+def test_a_validation_cancelled_from_outside_cancels_its_rollouts(tmp_path):
+    """The run is cancelled mid-validation (a death the Supervisor ends it on, Ctrl-C,
+    SIGTERM): its rollouts are cancelled with it, not left calling the generators while
+    the controller closes them."""
+    import asyncio
+
+    controller = _controller(
+        tmp_path, "--warm_start.steps=0", "--validation.num_samples=3",
+        "--rollout.batch_timeout_s=3600",
+    )  # fmt: skip
+    pending, cancelled = [], []
+
+    async def never(prompt_ids, request_id, session_id, sampling):
+        pending.append(request_id)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(request_id)
+            raise
+
+    controller.fleet.generate_fn, controller.metrics = never, _NoMetrics()
+
+    async def scenario():
+        validation = asyncio.ensure_future(controller.validate(4))
+        while len(pending) < 3:
+            await asyncio.sleep(0.01)
+        validation.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await validation
+        for _ in range(3):  # the rollouts' cancellations run
+            await asyncio.sleep(0)
+        assert sorted(cancelled) == sorted(pending)  # here: asyncio.run's end cancels all
+
+    asyncio.run(scenario())
+    assert len(pending) == 3
+
+
 def test_rollout_stop_ends_the_greedy_validation_turns_too(tmp_path):
     import asyncio
 

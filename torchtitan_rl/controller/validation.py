@@ -42,10 +42,13 @@ async def validate(
     playing = asyncio.gather(
         *(play(s, group_id=i, sampling=greedy, step=-1) for i, s in enumerate(samples))
     )
-    done, _ = await asyncio.wait({playing}, timeout=timeout_s)
+    try:
+        done, _ = await asyncio.wait({playing}, timeout=timeout_s)
+    finally:  # also when the run is cancelled meanwhile: its rollouts go with it
+        if not playing.done():
+            playing.add_done_callback(_read)  # its CancelledError, not logged at exit
+            playing.cancel()
     if not done:
-        playing.add_done_callback(_read)  # its CancelledError, so it is not logged at exit
-        playing.cancel()
         raise BatchTimeout(
             f"validation after RL step {step} unfinished after {timeout_s:g} s "
             f"(rollout.batch_timeout_s): {await fleet.activity()}"
