@@ -235,7 +235,8 @@ def test_a_reopened_sync_that_fails_is_retried_only_when_a_member_died(
     from torchtitan_rl.controller import fleet as fleet_module
 
     monkeypatch.setattr(fleet_module, "PEER_REPORT_WAIT_S", 0.3)
-    fleet, supervisor = _fleet(tmp_path)
+    monkeypatch.setattr(fleet_module, "HOST_REPORT_MARGIN_S", -0.7)  # 0.3 s with 1 s hosts
+    fleet, supervisor = _fleet(tmp_path, "--launcher.host_timeout_s=1")
     opened, waits = [], []
 
     async def wait_for_named_report(*args, **kwargs):
@@ -294,7 +295,7 @@ def test_a_replica_that_dies_while_the_first_weight_group_forms_is_survived(tmp_
         tmp_path, "start", "--generator.num_replicas=2", "--weight_sync.transport=broadcast"
     )
     controller = loop.Controller(config, use_tqdm=False)
-    fleet, opened, synced = controller.fleet, [], []
+    fleet, opened, synced, wheres = controller.fleet, [], [], []
     hosts = [FakeHost(starts=False) for _ in range(2)]  # the restarted one stays starting
 
     async def launch(cfg, replicas):
@@ -306,6 +307,7 @@ def test_a_replica_that_dies_while_the_first_weight_group_forms_is_survived(tmp_
     async def open_weight_sync():
         members = tuple(r.name for r in fleet.replicas if r.up or r.joining)
         opened.append(members)
+        wheres.append(controller.supervisor.where)  # what a death here is said to be during
         if len(opened) == 1:
             fleet.replica_down(1)  # as the Supervisor's report of its death would
             raise TransportUnavailable('weight_sync.transport = "broadcast" could not be '
@@ -326,6 +328,7 @@ def test_a_replica_that_dies_while_the_first_weight_group_forms_is_survived(tmp_
 
     asyncio.run(scenario())
     assert opened == [("generator", "generator1"), ("generator",)]
+    assert set(wheres) == {"while giving the generators their first weights"}
     assert synced == [("generator",)] and controller.trainer_version == FakeSync.version
 
 
@@ -362,4 +365,40 @@ def test_a_regrouped_sync_opens_a_new_group_and_survives_a_death_while_it_forms(
 
     asyncio.run(scenario())
     assert opened == [("generator", "generator1"), ("generator",)]
+    assert synced == [("generator", "generator1"), ("generator",)]
+
+
+def test_a_broken_sync_waits_for_a_host_death_report_as_long_as_the_host_timeout(
+    tmp_path, monkeypatch
+):
+    """A whole host's death is reported after launcher.host_timeout_s (+ ~9 s): a sync that
+    broke waits that long for the report, not PEER_REPORT_WAIT_S only, before taking the
+    break for something else; then it goes on over the live replica."""
+    from torchtitan_rl.controller import fleet as fleet_module
+    from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
+
+    monkeypatch.setattr(fleet_module, "PEER_REPORT_WAIT_S", 0.1)
+    monkeypatch.setattr(fleet_module, "HOST_REPORT_MARGIN_S", 0.0)
+    fleet, supervisor = _fleet(tmp_path, "--launcher.host_timeout_s=5")
+    synced = []
+
+    async def scenario():
+        await _start(fleet, restarts_start=False, synced=synced)
+        try:
+            await fleet.open_weight_sync()
+            broken = fleet.weight_sync
+
+            async def breaks():
+                synced.append(broken.members)
+                if len(synced) == 1:  # the host's report comes 0.5 s after the break
+                    asyncio.get_running_loop().call_later(0.5, fleet.replica_down, 1)
+                    raise BroadcastBroken("Connection closed by peer")
+
+            broken.__class__ = type("Breaks", (FakeSync,), {"__call__": lambda self: breaks()})
+            await _watch(supervisor, fleet.sync())
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+
+    asyncio.run(scenario())
     assert synced == [("generator", "generator1"), ("generator",)]

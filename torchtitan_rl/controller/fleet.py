@@ -53,6 +53,9 @@ RESTART_TIMEOUT_S = 900.0
 and captures graphs for minutes) before the attempt counts as failed."""
 RESTART_RETRY_S = 10.0
 """Pause between attempts to restart a replica (its host may be coming back)."""
+HOST_REPORT_MARGIN_S = 20.0
+"""A whole host's death is reported launcher.host_timeout_s + ~9 s after it: a broken sync
+waits that long (and at least PEER_REPORT_WAIT_S) for the report before it counts as no death."""
 SYNC_ATTEMPTS = 3
 """Weight syncs tried when replicas die during one (each retry is over the live ones)."""
 
@@ -259,7 +262,9 @@ class GeneratorFleet:
         if not (is_death(error) or isinstance(error, BroadcastBroken)):
             return False
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + PEER_REPORT_WAIT_S
+        host = self.config.launcher.host_timeout_s + HOST_REPORT_MARGIN_S
+        wait = max(PEER_REPORT_WAIT_S, host)
+        deadline = loop.time() + wait
         while loop.time() < deadline:
             live = tuple(r.name for r in self.replicas if r.up or r.joining)
             if live != members:

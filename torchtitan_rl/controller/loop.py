@@ -129,6 +129,7 @@ class Controller:
             )
             self.last_validation = state.last_validation
         (self.run_dir / "config.toml").write_text(to_toml(cfg))  # after a successful restore
+        self.supervisor.where = "while giving the generators their first weights"
         await self.sync_weights()  # opens the weight sync: a replica dying meanwhile is survived
 
     async def close(self) -> None:
