@@ -17,6 +17,7 @@ SLOW = {
     "bench_weight_sync.py",
     "bench_async.py",
     "bench_failover.py",
+    "bench_sync_death.py",
     "bench_lora.py",
     "bench_vllm_lora.py",
     "bench_routing.py",

@@ -402,3 +402,51 @@ def test_a_broken_sync_waits_for_a_host_death_report_as_long_as_the_host_timeout
 
     asyncio.run(scenario())
     assert synced == [("generator", "generator1"), ("generator",)]
+
+
+def test_a_sync_broken_by_a_replica_process_gone_on_this_host_goes_on_at_once(
+    tmp_path, monkeypatch
+):
+    """A replica's process on this host is killed while the weights go out: the broadcast
+    breaks ("Connection closed by peer") long before Monarch reports the death (~10 s). The
+    fleet sees the process gone and goes on over the live replica, without that report."""
+    import os
+    import signal
+    import socket
+    import subprocess
+
+    from torchtitan_rl.controller import fleet as fleet_module
+    from torchtitan_rl.controller.processes import started
+    from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
+
+    monkeypatch.setattr(fleet_module, "PEER_REPORT_WAIT_S", 0.5)
+    monkeypatch.setattr(fleet_module, "HOST_REPORT_MARGIN_S", -0.5)  # 0.5 s with 1 s hosts
+    fleet, supervisor = _fleet(tmp_path, "--launcher.host_timeout_s=1")
+    process = subprocess.Popen(["sleep", "60"])  # replica 1's process on this host
+    record = {"role": "generator1", "host": socket.gethostname(), "pid": process.pid}
+    fleet.first_processes = [(record, started(process.pid))]
+    synced = []
+
+    async def scenario():
+        await _start(fleet, restarts_start=False, synced=synced)
+        try:
+            await fleet.open_weight_sync()
+            broken = fleet.weight_sync
+
+            async def breaks():
+                synced.append(broken.members)
+                if len(synced) == 1:
+                    os.kill(process.pid, signal.SIGKILL)
+                    process.wait()
+                    raise BroadcastBroken("Connection closed by peer")
+
+            broken.__class__ = type("Breaks", (FakeSync,), {"__call__": lambda self: breaks()})
+            await _watch(supervisor, fleet.sync())
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+            process.kill()
+
+    asyncio.run(scenario())
+    assert synced == [("generator", "generator1"), ("generator",)]
+    assert not fleet.replicas[1].up

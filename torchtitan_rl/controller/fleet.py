@@ -36,7 +36,7 @@ from torchtitan_rl.actors.generate_fn import ActorGenerateFn, is_death
 from torchtitan_rl.config import Config
 from torchtitan_rl.controller.fleet_report import FleetReport, fleet_activity
 from torchtitan_rl.controller.launcher import Meshes, spawn_generator
-from torchtitan_rl.controller.processes import on_this_machine
+from torchtitan_rl.controller.processes import on_this_machine, started
 from torchtitan_rl.controller.replica import Replica, parse_replica_name, replica_name
 from torchtitan_rl.controller.rollout_processes import RolloutProcesses, process_names
 from torchtitan_rl.controller.supervision import PEER_REPORT_WAIT_S, Supervisor
@@ -56,6 +56,8 @@ RESTART_RETRY_S = 10.0
 HOST_REPORT_MARGIN_S = 20.0
 """A whole host's death is reported launcher.host_timeout_s + ~9 s after it: a broken sync
 waits that long (and at least PEER_REPORT_WAIT_S) for the report before it counts as no death."""
+LOOK_HERE_S = 0.2
+"""While weights go out, how often the replicas' processes on this host are looked at."""
 SYNC_ATTEMPTS = 3
 """Weight syncs tried when replicas die during one (each retry is over the live ones)."""
 
@@ -95,6 +97,9 @@ class GeneratorFleet:
         self.local_processes: list[tuple[dict, int]] = []
         """Restarted replicas' processes on this host, with their start times (the
         controller kills those left over at close, as it does its first ones)."""
+        self.first_processes: list[tuple[dict, int]] = []
+        """The run's first processes on this host with their start times (the controller's
+        record); with `local_processes`, what `_mark_gone_here` looks at."""
         self._members: tuple[str, ...] = ()
         """Actor names the current weight sync was formed over."""
         self._regroup = False  # see `regroup`
@@ -239,14 +244,17 @@ class GeneratorFleet:
     async def _unless_a_member_dies(self, sync) -> None:
         """Await `sync`, but give it up as soon as one of its members is known dead: the
         live members would otherwise wait out the broadcast's peer timeout (30 s and more)
-        for bytes that never come; the next attempt's new group closes the old one."""
+        for bytes that never come; the next attempt's new group closes the old one. A
+        member whose process on this host is gone is known dead at once (`_mark_gone_here`)."""
         task = asyncio.ensure_future(sync)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read, always
         died = asyncio.ensure_future(self._member_died.wait())
+        looking = asyncio.ensure_future(self._look_here_until(died))
         try:
             await asyncio.wait({task, died}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this call is cancelled (the run stops): the sync goes with it
             died.cancel()
+            looking.cancel()
             if not task.done():
                 task.cancel()
         if not task.done() or task.cancelled():
@@ -266,12 +274,28 @@ class GeneratorFleet:
         wait = max(PEER_REPORT_WAIT_S, host)
         deadline = loop.time() + wait
         while loop.time() < deadline:
+            self._mark_gone_here()
             live = tuple(r.name for r in self.replicas if r.up or r.joining)
             if live != members:
                 return True
             await asyncio.sleep(0.2)
         error.reports_awaited = True  # the Supervisor need not wait for a report again
         return False
+
+    async def _look_here_until(self, done: asyncio.Future) -> None:
+        while not done.done():
+            await asyncio.sleep(LOOK_HERE_S)
+            self._mark_gone_here()
+
+    def _mark_gone_here(self) -> None:
+        """Replicas whose process on this host is gone are down now: a sync broken by a
+        death (gloo: "Connection closed by peer") hears of it from Monarch ~10 s later."""
+        for where, t in self.first_processes + self.local_processes:
+            if started(where["pid"]) == t:
+                continue
+            for replica in self.replicas:
+                if replica.name == where["role"] and (replica.up or replica.joining):
+                    self.replica_down(replica.index)
 
     def _rejoin(self, replica: Replica) -> None:
         replica.joining, replica.up = False, True

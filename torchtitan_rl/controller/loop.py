@@ -122,6 +122,7 @@ class Controller:
         # before anything that may hang (the weight group forms next): close kills these
         # if they outlive their meshes
         self.local_processes = await record_processes(self.run_dir, self.trainer, self.fleet.actors)
+        self.fleet.first_processes = self.local_processes  # a broken sync looks at them
         if state is not None:  # first: a checkpoint may hold the [lora] base the sync sends
             self.supervisor.where = f"while loading {latest}"
             self.ledger = await self.folder.restore(
