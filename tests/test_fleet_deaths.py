@@ -454,3 +454,49 @@ def test_a_sync_broken_by_a_replica_process_gone_on_this_host_goes_on_at_once(
     asyncio.run(scenario())
     assert synced == [("generator", "generator1"), ("generator",)]
     assert not fleet.replicas[1].up
+
+
+def test_a_replica_process_gone_during_a_sync_under_stop_is_left_to_the_supervisor(tmp_path):
+    """generator.on_replica_death = "stop": a replica's process on this host dies while the
+    weights go out. The look at the processes does not mark it down (no restart, no
+    MemberDied); the Supervisor's report ends the run with its line."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import threading
+
+    from torchtitan_rl.controller.processes import started
+
+    fleet, supervisor = _fleet(tmp_path, "--generator.on_replica_death=stop")
+    process = subprocess.Popen(["sleep", "60"])  # replica 1's process on this host
+    record = {"role": "generator1", "host": socket.gethostname(), "pid": process.pid}
+    fleet.first_processes = [(record, started(process.pid))]
+    report = KILLED.replace("generator{", "generator1{")
+
+    async def scenario():
+        await _start(fleet, restarts_start=False)
+        try:
+            await fleet.open_weight_sync()
+
+            async def hangs():
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait()
+                threading.Timer(0.6, supervisor._on_failure, [_Failure(report)]).start()
+                await asyncio.Event().wait()
+
+            sync = fleet.weight_sync
+            sync.__class__ = type("Hangs", (FakeSync,), {"__call__": lambda s: hangs()})
+            supervisor.where = "during RL step 3"
+            with pytest.raises(ActorFailure) as failure:
+                await _watch(supervisor, fleet.sync())
+            return failure.value
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+            process.kill()
+
+    failure = asyncio.run(scenario())
+    assert failure.actor == "generator1"
+    assert str(failure).startswith("generator1 failed during RL step 3 (rank 0): ")
+    assert all(r.incarnation == 0 for r in fleet.replicas)  # nothing restarted

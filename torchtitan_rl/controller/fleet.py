@@ -289,7 +289,10 @@ class GeneratorFleet:
 
     def _mark_gone_here(self) -> None:
         """Replicas whose process on this host is gone are down now: a sync broken by a
-        death (gloo: "Connection closed by peer") hears of it from Monarch ~10 s later."""
+        death (gloo: "Connection closed by peer") hears of it from Monarch ~10 s later. Only
+        when deaths are survived: else the Supervisor's report ends the run, with its line."""
+        if not self.survives:
+            return
         for where, t in self.first_processes + self.local_processes:
             if started(where["pid"]) == t:
                 continue
