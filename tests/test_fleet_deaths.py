@@ -116,6 +116,34 @@ async def _watch(supervisor, awaitable):
     return await asyncio.wait_for(supervisor.watch(awaitable), WATCH_LIMIT_S)
 
 
+async def _sync_first_broken(fleet, supervisor, synced: list, breaks) -> None:
+    """`fleet.sync()`, watched, over a weight sync opened over both replicas whose first
+    call records its members, then awaits `breaks()` (which kills, hangs or raises)."""
+    await fleet.open_weight_sync()
+    sync = fleet.weight_sync
+
+    async def call():
+        synced.append(sync.members)
+        if len(synced) == 1:
+            await breaks()
+
+    sync.__class__ = type("Breaks", (FakeSync,), {"__call__": lambda self: call()})
+    await _watch(supervisor, fleet.sync())
+
+
+def _process_of_replica_1(fleet):
+    """A real process (`sleep 60`) recorded as replica 1's on this host."""
+    import socket
+    import subprocess
+
+    from torchtitan_rl.controller.processes import started
+
+    process = subprocess.Popen(["sleep", "60"])
+    record = {"role": "generator1", "host": socket.gethostname(), "pid": process.pid}
+    fleet.first_processes = [(record, started(process.pid))]
+    return process
+
+
 # ---- every replica down (generator.replicas_down_timeout_s) --------------------------------
 def test_every_replica_down_for_the_timeout_stops_the_run_with_one_line(tmp_path):
     fleet, supervisor = _fleet(tmp_path, "--generator.replicas_down_timeout_s=0.2")
@@ -382,20 +410,14 @@ def test_a_broken_sync_waits_for_a_host_death_report_as_long_as_the_host_timeout
     fleet, supervisor = _fleet(tmp_path, "--launcher.host_timeout_s=5")
     synced = []
 
+    async def breaks():  # the host's report comes 0.5 s after the break
+        asyncio.get_running_loop().call_later(0.5, fleet.replica_down, 1)
+        raise BroadcastBroken("Connection closed by peer")
+
     async def scenario():
         await _start(fleet, restarts_start=False, synced=synced)
         try:
-            await fleet.open_weight_sync()
-            broken = fleet.weight_sync
-
-            async def breaks():
-                synced.append(broken.members)
-                if len(synced) == 1:  # the host's report comes 0.5 s after the break
-                    asyncio.get_running_loop().call_later(0.5, fleet.replica_down, 1)
-                    raise BroadcastBroken("Connection closed by peer")
-
-            broken.__class__ = type("Breaks", (FakeSync,), {"__call__": lambda self: breaks()})
-            await _watch(supervisor, fleet.sync())
+            await _sync_first_broken(fleet, supervisor, synced, breaks)
         finally:
             await fleet.close()
             supervisor.uninstall()
@@ -412,40 +434,26 @@ def test_a_sync_broken_by_a_replica_process_gone_on_this_host_goes_on_at_once(
     breaks ("Connection closed by peer") or hangs long before Monarch reports the death
     (2-10 s). The fleet sees the process gone and goes on over the live replica, without
     that report."""
-    import os
-    import signal
-    import socket
-    import subprocess
-
     from torchtitan_rl.controller import fleet as fleet_module
-    from torchtitan_rl.controller.processes import started
     from torchtitan_rl.weight_sync.broadcast import BroadcastBroken
 
     monkeypatch.setattr(fleet_module, "PEER_REPORT_WAIT_S", 0.5)
     monkeypatch.setattr(fleet_module, "HOST_REPORT_MARGIN_S", -0.5)  # 0.5 s with 1 s hosts
     fleet, supervisor = _fleet(tmp_path, "--launcher.host_timeout_s=1")
-    process = subprocess.Popen(["sleep", "60"])  # replica 1's process on this host
-    record = {"role": "generator1", "host": socket.gethostname(), "pid": process.pid}
-    fleet.first_processes = [(record, started(process.pid))]
+    process = _process_of_replica_1(fleet)
     synced = []
+
+    async def breaks():
+        process.kill()
+        process.wait()
+        if broadcast == "hangs":
+            await asyncio.Event().wait()
+        raise BroadcastBroken("Connection closed by peer")
 
     async def scenario():
         await _start(fleet, restarts_start=False, synced=synced)
         try:
-            await fleet.open_weight_sync()
-            broken = fleet.weight_sync
-
-            async def breaks():
-                synced.append(broken.members)
-                if len(synced) == 1:
-                    os.kill(process.pid, signal.SIGKILL)
-                    process.wait()
-                    if broadcast == "hangs":
-                        await asyncio.Event().wait()
-                    raise BroadcastBroken("Connection closed by peer")
-
-            broken.__class__ = type("Breaks", (FakeSync,), {"__call__": lambda self: breaks()})
-            await _watch(supervisor, fleet.sync())
+            await _sync_first_broken(fleet, supervisor, synced, breaks)
         finally:
             await fleet.close()
             supervisor.uninstall()
@@ -460,36 +468,24 @@ def test_a_replica_process_gone_during_a_sync_under_stop_is_left_to_the_supervis
     """generator.on_replica_death = "stop": a replica's process on this host dies while the
     weights go out. The look at the processes does not mark it down (no restart, no
     MemberDied); the Supervisor's report ends the run with its line."""
-    import os
-    import signal
-    import socket
-    import subprocess
     import threading
 
-    from torchtitan_rl.controller.processes import started
-
     fleet, supervisor = _fleet(tmp_path, "--generator.on_replica_death=stop")
-    process = subprocess.Popen(["sleep", "60"])  # replica 1's process on this host
-    record = {"role": "generator1", "host": socket.gethostname(), "pid": process.pid}
-    fleet.first_processes = [(record, started(process.pid))]
+    process = _process_of_replica_1(fleet)
     report = KILLED.replace("generator{", "generator1{")
+
+    async def hangs():
+        process.kill()
+        process.wait()
+        threading.Timer(0.6, supervisor._on_failure, [_Failure(report)]).start()
+        await asyncio.Event().wait()
 
     async def scenario():
         await _start(fleet, restarts_start=False)
         try:
-            await fleet.open_weight_sync()
-
-            async def hangs():
-                os.kill(process.pid, signal.SIGKILL)
-                process.wait()
-                threading.Timer(0.6, supervisor._on_failure, [_Failure(report)]).start()
-                await asyncio.Event().wait()
-
-            sync = fleet.weight_sync
-            sync.__class__ = type("Hangs", (FakeSync,), {"__call__": lambda s: hangs()})
             supervisor.where = "during RL step 3"
             with pytest.raises(ActorFailure) as failure:
-                await _watch(supervisor, fleet.sync())
+                await _sync_first_broken(fleet, supervisor, [], hangs)
             return failure.value
         finally:
             await fleet.close()
