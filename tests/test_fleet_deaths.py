@@ -131,6 +131,23 @@ async def _sync_first_broken(fleet, supervisor, synced: list, breaks) -> None:
     await _watch(supervisor, fleet.sync())
 
 
+def _run_sync_first_broken(fleet, supervisor, breaks) -> list:
+    """`_sync_first_broken` on a fleet started over fake processes, then closed; returns the
+    members of each sync."""
+    synced = []
+
+    async def scenario():
+        await _start(fleet, restarts_start=False, synced=synced)
+        try:
+            await _sync_first_broken(fleet, supervisor, synced, breaks)
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+
+    asyncio.run(scenario())
+    return synced
+
+
 def _process_of_replica_1(fleet):
     """A real process (`sleep 60`) recorded as replica 1's on this host."""
     import socket
@@ -408,21 +425,12 @@ def test_a_broken_sync_waits_for_a_host_death_report_as_long_as_the_host_timeout
     monkeypatch.setattr(fleet_module, "PEER_REPORT_WAIT_S", 0.1)
     monkeypatch.setattr(fleet_module, "HOST_REPORT_MARGIN_S", 0.0)
     fleet, supervisor = _fleet(tmp_path, "--launcher.host_timeout_s=5")
-    synced = []
 
     async def breaks():  # the host's report comes 0.5 s after the break
         asyncio.get_running_loop().call_later(0.5, fleet.replica_down, 1)
         raise BroadcastBroken("Connection closed by peer")
 
-    async def scenario():
-        await _start(fleet, restarts_start=False, synced=synced)
-        try:
-            await _sync_first_broken(fleet, supervisor, synced, breaks)
-        finally:
-            await fleet.close()
-            supervisor.uninstall()
-
-    asyncio.run(scenario())
+    synced = _run_sync_first_broken(fleet, supervisor, breaks)
     assert synced == [("generator", "generator1"), ("generator",)]
 
 
@@ -441,7 +449,6 @@ def test_a_sync_broken_by_a_replica_process_gone_on_this_host_goes_on_at_once(
     monkeypatch.setattr(fleet_module, "HOST_REPORT_MARGIN_S", -0.5)  # 0.5 s with 1 s hosts
     fleet, supervisor = _fleet(tmp_path, "--launcher.host_timeout_s=1")
     process = _process_of_replica_1(fleet)
-    synced = []
 
     async def breaks():
         process.kill()
@@ -450,16 +457,10 @@ def test_a_sync_broken_by_a_replica_process_gone_on_this_host_goes_on_at_once(
             await asyncio.Event().wait()
         raise BroadcastBroken("Connection closed by peer")
 
-    async def scenario():
-        await _start(fleet, restarts_start=False, synced=synced)
-        try:
-            await _sync_first_broken(fleet, supervisor, synced, breaks)
-        finally:
-            await fleet.close()
-            supervisor.uninstall()
-            process.kill()
-
-    asyncio.run(scenario())
+    try:
+        synced = _run_sync_first_broken(fleet, supervisor, breaks)
+    finally:
+        process.kill()
     assert synced == [("generator", "generator1"), ("generator",)]
     assert not fleet.replicas[1].up
 
