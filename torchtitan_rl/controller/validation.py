@@ -46,7 +46,7 @@ async def validate(
         done, _ = await asyncio.wait({playing}, timeout=timeout_s)
     finally:  # also when the run is cancelled meanwhile: its rollouts go with it
         if not playing.done():
-            playing.add_done_callback(_read)  # its CancelledError, not logged at exit
+            playing.add_done_callback(lambda f: f.cancelled() or f.exception())  # read
             playing.cancel()
     if not done:
         raise BatchTimeout(
@@ -58,10 +58,3 @@ async def validate(
     scalars = validation_metrics(rollouts)
     metrics.log(scalars, step)
     return scalars.get("validation_reward/mean", float("nan"))
-
-
-def _read(future: asyncio.Future) -> None:
-    try:
-        future.exception()
-    except asyncio.CancelledError:
-        pass
