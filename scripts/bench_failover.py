@@ -4,10 +4,13 @@ the same prompts as the undisturbed run, and leave nothing running.
     python scripts/bench_failover.py --kills 5 --staleness 0 1 [--backend vllm] [--out DIR]
 
 For each max_staleness, one undisturbed run, then `--kills` runs that SIGKILL a random replica
-(of 2) at a random moment between the first RL step and the undisturbed run's end. Per run:
-whether the kill came before the run ended, whether it finished, whether the prompts trained per step equal the undisturbed run's, and
-(CPU, pipelined: the engine is batch-invariant) whether every reward and loss is equal bit for
-bit; requests rerouted, seconds until the replica rejoined, and processes left running.
+(of 2) at a random moment in the first `--kill_by` share of the undisturbed run's RL time.
+Per run: whether the kill came before the run ended, whether it finished, whether the
+prompts trained per step equal the undisturbed run's, and (CPU, pipelined: the engine is
+batch-invariant) whether every reward and loss is equal bit for bit; requests rerouted,
+seconds until the fleet heard of the death and until the replica rejoined, and processes
+left running. `--look on off` runs each kill moment twice, the second time with the fleet's
+look at its processes on this host switched off (Monarch's report of the death only).
 Prints a table and writes failover.json.
 """
 
@@ -49,9 +52,12 @@ def config(out: Path, name: str, args, staleness: int):
     )  # fmt: skip
 
 
-def run(cfg, kill_after_s: float | None, victim: int) -> dict:
-    """One run; kills replica `victim` `kill_after_s` seconds into RL step 1."""
+def run(cfg, kill_after_s: float | None, victim: int, look: bool = True) -> dict:
+    """One run; kills replica `victim` `kill_after_s` seconds into RL step 1. `look`: False
+    switches off the fleet's look at its processes on this host (Monarch's report only)."""
     controller = Controller(cfg, use_tqdm=False)
+    if not look:
+        controller.fleet._mark_gone_here = lambda: None
     trained: dict[int, list[int]] = {}
     train = controller.stage.train
 
@@ -79,6 +85,7 @@ def run(cfg, kill_after_s: float | None, victim: int) -> dict:
         t_kill = time.perf_counter()
         while replica.up:  # until the fleet hears of the death
             await asyncio.sleep(0.01)
+        killed["heard_s"] = round(time.perf_counter() - t_kill, 2)
         while not replica.up:  # until the restarted process took the weights and rejoined
             await asyncio.sleep(0.01)
         killed["rejoin_s"] = round(time.perf_counter() - t_kill, 1)
@@ -113,7 +120,7 @@ def run(cfg, kill_after_s: float | None, victim: int) -> dict:
         "error": error, "seconds": seconds, "trained": trained, "killed": killed,
         "rerouted": sum(history.get("generator/requests_rerouted", {}).values()),
         "alive_at_end": history.get("generator/replicas_alive", {}).get(cfg.training.steps),
-        "rejoin_s": killed.get("rejoin_s"),
+        "heard_s": killed.get("heard_s"), "rejoin_s": killed.get("rejoin_s"),
         "exact": {t: history.get(t, {}) for t in EXACT}, "leftover": leftover,
     }  # fmt: skip
 
@@ -126,35 +133,47 @@ def main() -> None:
     parser.add_argument("--backend", default="native")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kill_by", type=float, default=0.9,
+        help="kill moments fall in this share of the undisturbed RL time (small: time to rejoin)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--look", nargs="+", choices=["on", "off"], default=["on"],
+        help="each kill moment with the fleet's look at its local processes on, and/or off",
+    )  # fmt: skip
     parser.add_argument("--overrides", nargs="*", default=[], help="more --key=value for every run")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--smoke", action="store_true", help="one kill, N = 1, 3 RL steps")
     args = parser.parse_args()
     if args.smoke:
         args.kills, args.staleness, args.steps = 1, [1], 3
-    logging.basicConfig(level=logging.WARNING, format="%(name)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format="%(relativeCreated)9.0f ms %(name)s %(message)s"
+    )
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="failover_"))
     rows = []
     for staleness in args.staleness:
         base = run(config(work, f"n{staleness}_base", args, staleness), None, 0)
         assert base["error"] is None, base["error"]
-        span = base["seconds"] * 0.9  # within the RL steps (seconds counts from step 1)
-        for k in range(args.kills):
-            at, victim = round(rng.uniform(0.0, span), 2), rng.randrange(2)
-            r = run(config(work, f"n{staleness}_kill{k}", args, staleness), at, victim)
+        span = base["seconds"] * args.kill_by  # within the RL steps (seconds counts from step 1)
+        for k, look in ((k, look) for k in range(args.kills) for look in args.look):
+            if look == args.look[0]:
+                at, victim = round(rng.uniform(0.0, span), 2), rng.randrange(2)
+            name = f"n{staleness}_kill{k}_look_{look}"
+            r = run(config(work, name, args, staleness), at, victim, look == "on")
             rows.append({
-                "max_staleness": staleness, "kill": k, "at_s": at, "victim": victim,
+                "max_staleness": staleness, "kill": k, "look": look, "at_s": at, "victim": victim,
                 "killed": bool(r["killed"]), "finished": r["error"] is None, "error": r["error"],
                 "same_prompts": r["trained"] == base["trained"],
                 "bit_equal": r["exact"] == base["exact"], "rerouted": r["rerouted"],
-                "alive_at_end": r["alive_at_end"], "rejoin_s": r["rejoin_s"],
+                "alive_at_end": r["alive_at_end"], "heard_s": r["heard_s"], "rejoin_s": r["rejoin_s"],
                 "leftover": r["leftover"],
                 "seconds": round(r["seconds"], 1), "base_seconds": round(base["seconds"], 1),
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
-    keys = ["max_staleness", "kill", "at_s", "victim", "killed", "finished", "same_prompts",
-            "bit_equal", "rerouted", "alive_at_end", "rejoin_s", "leftover", "seconds"]  # fmt: skip
+    keys = ["max_staleness", "kill", "look", "at_s", "victim", "killed", "finished", "same_prompts",
+            "bit_equal", "rerouted", "alive_at_end", "heard_s", "rejoin_s", "leftover", "seconds"]  # fmt: skip
     print("| " + " | ".join(keys) + " |")
     for r in rows:
         cells = [len(r[k]) if k == "leftover" else r[k] for k in keys]

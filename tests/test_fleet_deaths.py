@@ -219,6 +219,44 @@ def test_a_replica_that_rejoins_before_the_timeout_keeps_the_run_going(tmp_path,
     )
 
 
+def test_a_replica_restarted_while_a_sync_is_in_flight_joins_at_the_next_sync(tmp_path):
+    """Replica 1 dies and its new process is up while a sync over replica 0 alone is in
+    flight: that sync did not give it the weights, so it takes no calls until the next
+    sync, which is formed over it too (seen on an H200: it served the start's weights and
+    every rollout of a step was dropped as too stale)."""
+    fleet, supervisor = _fleet(tmp_path)
+    synced, release = [], asyncio.Event()
+
+    async def scenario():
+        await _start(fleet, restarts_start=True, synced=synced)
+        try:
+            fleet.replica_down(1)
+            await fleet.open_weight_sync()  # over replica 0: the step's sync
+            sync = fleet.weight_sync
+
+            async def slow():
+                synced.append(sync.members)
+                await release.wait()
+
+            sync.__class__ = type("Slow", (FakeSync,), {"__call__": lambda self: slow()})
+            in_flight = asyncio.ensure_future(fleet.sync())
+            while not fleet.replicas[1].joining:  # its restart is done (a fake: at once)
+                await asyncio.sleep(0.01)
+            release.set()
+            await _watch(supervisor, in_flight)
+            after_the_first = fleet.replicas[1].up
+            await _watch(supervisor, fleet.sync())
+            return after_the_first
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+
+    after_the_first = asyncio.run(scenario())
+    assert after_the_first is False
+    assert synced == [("generator",), ("generator", "generator1_r1")]
+    assert fleet.replicas[1].up and fleet.router.down == set()
+
+
 # ---- generator.on_replica_death ------------------------------------------------------------
 @pytest.mark.parametrize("policy", ["stop", "restart"])
 def test_a_replica_death_ends_the_run_under_stop_and_is_rerouted_under_restart(
@@ -265,6 +303,45 @@ def test_a_replica_death_ends_the_run_under_stop_and_is_rerouted_under_restart(
         assert [c.metrics["by"] for c in out] == ["generator", "generator"]
         assert fleet.router.rerouted == 1 and fleet.router.down == {1}
         assert fleet.replicas[1].incarnation == 1  # its restart began
+
+
+def test_a_replica_process_gone_on_this_host_while_it_generates_is_heard_of_without_a_report(
+    tmp_path,
+):
+    """Replica 1's process on this host is killed while a call is on it; the call hangs and
+    Monarch's report never comes (on an H200 it came 8-10 s after the kill). The fleet sees
+    the process gone and moves the call to replica 0 within a few LOOK_HERE_S."""
+    fleet, supervisor = _fleet(tmp_path)
+    process = _process_of_replica_1(fleet)
+
+    async def scenario():
+        meshes = await _start(fleet, restarts_start=False)
+        dying = meshes.generators[1].actor
+        dying.dead = True
+        try:
+            calls = [
+                fleet.generate_fn(np.zeros(2, np.int32), request_id=f"r{i}", session_id=f"s{i}")
+                for i in range(2)
+            ]
+
+            async def step():
+                pending = asyncio.gather(*calls)
+                while not dying.calls:
+                    await asyncio.sleep(0.01)
+                process.kill()
+                process.wait()
+                return await pending
+
+            return await _watch(supervisor, step())
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+            process.kill()
+
+    out = asyncio.run(scenario())
+    assert [c.metrics["by"] for c in out] == ["generator", "generator"]
+    assert fleet.router.rerouted == 1 and fleet.router.down == {1}
+    assert fleet.replicas[1].incarnation == 1  # its restart began
 
 
 # ---- a weight sync reopened over a restarted replica ---------------------------------------

@@ -57,7 +57,7 @@ HOST_REPORT_MARGIN_S = 20.0
 """A whole host's death is reported launcher.host_timeout_s + ~9 s after it: a broken sync
 waits that long (and at least PEER_REPORT_WAIT_S) for the report before it counts as no death."""
 LOOK_HERE_S = 0.2
-"""While weights go out, how often the replicas' processes on this host are looked at."""
+"""How often the replicas' processes on this host are looked at (when deaths are survived)."""
 SYNC_ATTEMPTS = 3
 """Weight syncs tried when replicas die during one (each retry is over the live ones)."""
 
@@ -99,7 +99,7 @@ class GeneratorFleet:
         controller kills those left over at close, as it does its first ones)."""
         self.first_processes: list[tuple[dict, int]] = []
         """The run's first processes on this host with their start times (the controller's
-        record); with `local_processes`, what `_mark_gone_here` looks at."""
+        record); with `local_processes`, what `_watch_here` looks at."""
         self._members: tuple[str, ...] = ()
         """Actor names the current weight sync was formed over."""
         self._regroup = False  # see `regroup`
@@ -107,6 +107,8 @@ class GeneratorFleet:
         """The counters last reported (`metrics`, `engine_metrics` report since then)."""
         self._all_down: asyncio.TimerHandle | None = None
         self._closed = False
+        self._watching: asyncio.Task | None = None
+        """`_watch_here`, while deaths are survived."""
         self._context: contextvars.Context | None = None
         """The context `start` ran in (restarts spawn processes in it)."""
         self._sync_lock = asyncio.Lock()
@@ -159,6 +161,7 @@ class GeneratorFleet:
             await self.rollout.start(self)
         if self.survives:
             self.supervisor.survive = self.survive
+            self._watching = asyncio.ensure_future(self._watch_here())
 
     async def start_folder(self, run_dir: Path) -> str:
         """The Hugging Face folder a backend that starts from one (vllm) starts from:
@@ -237,7 +240,7 @@ class GeneratorFleet:
                 logger.warning("weight sync: a replica died during it; again over the live ones")
         self.version = self.weight_sync.version
         for replica in self.replicas:
-            if replica.joining:
+            if replica.joining and replica.name in members:  # not one restarted meanwhile
                 self._rejoin(replica)
         return time.perf_counter() - t0
 
@@ -245,16 +248,15 @@ class GeneratorFleet:
         """Await `sync`, but give it up as soon as one of its members is known dead: the
         live members would otherwise wait out the broadcast's peer timeout (30 s and more)
         for bytes that never come; the next attempt's new group closes the old one. A
-        member whose process on this host is gone is known dead at once (`_mark_gone_here`)."""
+        member whose process on this host is gone is known dead within LOOK_HERE_S
+        (`_watch_here`)."""
         task = asyncio.ensure_future(sync)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read, always
         died = asyncio.ensure_future(self._member_died.wait())
-        looking = asyncio.ensure_future(self._look_here_until(died))
         try:
             await asyncio.wait({task, died}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this call is cancelled (the run stops): the sync goes with it
             died.cancel()
-            looking.cancel()
             if not task.done():
                 task.cancel()
         if not task.done() or task.cancelled():
@@ -282,15 +284,17 @@ class GeneratorFleet:
         error.reports_awaited = True  # the Supervisor need not wait for a report again
         return False
 
-    async def _look_here_until(self, done: asyncio.Future) -> None:
-        while not done.done():
+    async def _watch_here(self) -> None:
+        """From start to close, every LOOK_HERE_S: `_mark_gone_here`."""
+        while not self._closed:
             await asyncio.sleep(LOOK_HERE_S)
             self._mark_gone_here()
 
     def _mark_gone_here(self) -> None:
-        """Replicas whose process on this host is gone are down now: a sync broken by a
-        death (gloo: "Connection closed by peer") hears of it from Monarch ~10 s later. Only
-        when deaths are survived: else the Supervisor's report ends the run, with its line."""
+        """Replicas whose process on this host is gone are down now. Monarch's report of a
+        death comes 2-10 s after it, and meanwhile the dead replica's calls hang (an H200:
+        8-10 s) and a sync to it breaks or hangs. Only when deaths are survived: else the
+        Supervisor's report ends the run, with its line."""
         if not self.survives:
             return
         for where, t in self.first_processes + self.local_processes:
@@ -447,6 +451,8 @@ class GeneratorFleet:
         """Stop restarts and close every replica's engine (bounded: one may be dead)."""
         self._closed = True
         self._cancel_all_down()
+        if self._watching is not None:
+            self._watching.cancel()
         for task in list(self.restarts):
             task.cancel()
         await asyncio.gather(*self.restarts, return_exceptions=True)
