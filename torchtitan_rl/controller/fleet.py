@@ -10,8 +10,8 @@ Rollouter calls, weight delivery, liveness, activity and close.
     await fleet.close()
 
 A dead replica (generator.num_replicas >= 2, generator.on_replica_death = "restart"):
-1. The Supervisor asks `survive(name)` instead of ending the run; a call on the replica
-   raising `ReplicaDown` says the same. The router takes no more calls there, and its calls
+1. Its process on this host is seen gone (`_watch_here`, every LOOK_HERE_S), a call on it
+   raises `ReplicaDown`, or the Supervisor asks `survive(name)` instead of ending the run. The router takes no more calls there, and its calls
    in flight go to the least loaded live replica (a call carries its whole context and its
    own seed; a replica gives it the same tokens whatever else it serves).
 2. A new process is spawned on the dead one's host, under a new actor name
