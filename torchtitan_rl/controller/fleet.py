@@ -11,15 +11,17 @@ Rollouter calls, weight delivery, liveness, activity and close.
 
 A dead replica (generator.num_replicas >= 2, generator.on_replica_death = "restart"):
 1. Its process on this host is seen gone (`_watch_here`, every LOOK_HERE_S), a call on it
-   raises `ReplicaDown`, or the Supervisor asks `survive(name)` instead of ending the run. The router takes no more calls there, and its calls
-   in flight go to the least loaded live replica (a call carries its whole context and its
-   own seed; a replica gives it the same tokens whatever else it serves).
+   raises `ReplicaDown`, or the Supervisor asks `survive(name)` instead of ending the run.
+   The router takes no more calls there, and its calls in flight go to the least loaded
+   live replica (a call carries its whole context and its own seed; a replica gives it the
+   same tokens whatever else it serves).
 2. A new process is spawned on the dead one's host, under a new actor name
    (generator1 -> generator1_r1: a late report of the old process cannot be taken for the
    new one), and its engine is built while the others serve.
 3. At the next weight sync, the broadcast group is formed again over the live replicas and
-   the new one; it receives the same version as the others and only then takes calls. So no
-   request is served by weights other than the version the others hold.
+   the new one; it receives the same version as the others and only then takes calls (one
+   that came up during a sync over the others waits for the next). So no request is served
+   by weights other than the version the others hold.
 If every replica stays down for `generator.replicas_down_timeout_s`, the run stops with one
 line. With one replica, or on_replica_death = "stop", a death ends the run (Supervisor).
 """
