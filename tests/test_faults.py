@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from fakes import run_until_a_kill_ends_it
+from monarch.actor import Actor, endpoint
 
 from torchtitan_rl.controller.checkpoints import CheckpointStore
 from torchtitan_rl.controller.loop import Controller
@@ -306,3 +307,51 @@ def test_a_process_killed_by_a_signal_leaves_its_stacks_and_the_error_names_them
     line = str(supervisor.translate(SupervisionError(KILLED)))
     assert line.startswith("generator failed during RL step 117 (rank 0): ")
     assert line.endswith(f"; its Python stacks at death: {tmp_path / 'generator-rank0.log'}")
+
+
+class _StartsSlowly(Actor):
+    """An actor still in its constructor when its mesh is stopped: Monarch reports it
+    ("cleanup error: deadline has elapsed") seconds after the stop returned."""
+
+    def __init__(self):
+        time.sleep(30)
+
+    @endpoint
+    async def ping(self) -> int:
+        return 1
+
+
+def test_a_late_report_of_an_earlier_runs_mesh_does_not_reach_the_next_run(caplog, monkeypatch):
+    """Two runs in one process (tests, benches): run 1 stops a replica's mesh while its
+    actor is still starting and closes; Monarch's report of that mesh comes after run 2 has
+    begun, naming "generator" as run 2's replica is named. It goes to the debug log as a
+    closed run's, and run 2 sees no failure."""
+    import logging
+
+    from monarch.actor import this_host
+
+    here = str(Path(__file__).parent)  # the new process imports this module for the class
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    first, second = Supervisor(("generator",)), Supervisor(("generator",))
+
+    async def scenario():
+        first.install()
+        mesh = this_host().spawn_procs(per_host={"procs": 1})
+        first.own(mesh.spawn("generator", _StartsSlowly))
+        await asyncio.sleep(1.0)  # its name is known; its constructor still runs
+        try:  # the run closes before the stop is done, as its close's bounded stops may
+            await asyncio.wait_for(mesh.stop(), timeout=0.5)
+        except Exception:
+            pass
+        first.uninstall()
+        second.install()
+        deadline = time.monotonic() + 20
+        while "reported late" not in caplog.text and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)  # a report handed to run 2 would be sorted by now
+        second.uninstall()
+
+    with caplog.at_level(logging.DEBUG, logger="torchtitan_rl"):
+        asyncio.run(scenario())
+    assert "a process of a closed run reported late" in caplog.text, first.reports
+    assert second.reports == [] and second.fatal is None

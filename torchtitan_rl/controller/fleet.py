@@ -207,10 +207,12 @@ class GeneratorFleet:
     def _spawn(self, mesh, index: int, name: str):
         placement = self.meshes.placement
         gpu = placement.generators[index] if placement.gpus else None
-        return spawn_generator(
+        actor = spawn_generator(
             mesh, name, self.config, vocab_size=self.vocab_size, log_dir=self.log_dir,
             hf_folder=self.hf_folder, gpu=gpu,
         )  # fmt: skip
+        self.supervisor.own(actor)
+        return actor
 
     @property
     def live_actors(self) -> list:

@@ -118,6 +118,7 @@ class Controller:
             self.meshes.trainer, cfg, vocab_size=self.tokenizer.vocab_size,
             log_dir=str(self.log_dir), gpus=self.meshes.placement.trainer,
         )  # fmt: skip
+        self.supervisor.own(self.trainer)
         await self.fleet.start(self.meshes, self.trainer, self.run_dir)
         # before anything that may hang (the weight group forms next): close kills these
         # if they outlive their meshes

@@ -20,6 +20,7 @@ surfaces once it has been silent for launcher.host_timeout_s:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -84,6 +85,15 @@ def _actors(report: str) -> list[tuple[str, int | None]]:
     return found + [(name, None) for name in _QUERIED.findall(report)]
 
 
+_RUN_OF_MESH: dict[str, int] = {}
+"""Monarch's name of every actor mesh a run of this process spawned ("generator-fbMY4eh854b")
+-> that run's `Supervisor.run`. A mesh stopped at a run's close while its actor was still
+starting reports "cleanup error: deadline has elapsed" seconds later; with several runs in
+one process (tests, benches) that report reaches the next run, and named its replicas
+(generator, generator_r1) as this run's."""
+_RUNS = itertools.count()
+
+
 def after_run_report(failure) -> None:
     """Monarch's fault hook between runs: a process of a closed run reporting its end late.
     The run already said what failed; the report goes to the debug log."""
@@ -146,6 +156,9 @@ class Supervisor:
         self._survived_at = -float("inf")
         self.fatal: ActorFailure | None = None
         """Set by `stop_run`: the line a run that cannot go on ends with."""
+        self.run = next(_RUNS)
+        """This run's number in this process (`own`)."""
+        self._owning: set[asyncio.Task] = set()
         self._failed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._previous_hook = None
@@ -155,17 +168,37 @@ class Supervisor:
         self._previous_hook = monarch.actor.unhandled_fault_hook
         monarch.actor.unhandled_fault_hook = self._on_failure
 
+    def own(self, actor) -> None:
+        """`actor` (a mesh just spawned) is this run's: a report of another run's mesh is
+        that run's, handed to `after_run_report` (its name resolves in ~0.3 s, also while the
+        actor is still starting)."""
+
+        async def record():
+            try:
+                _RUN_OF_MESH[await actor._name] = self.run
+            except Exception as e:  # a mesh that did not spawn: its report is ours by name
+                logger.debug("no mesh name for %r: %s", actor, e)
+
+        task = asyncio.get_running_loop().create_task(record())
+        self._owning.add(task)
+        task.add_done_callback(self._owning.discard)
+
     def uninstall(self) -> None:
         """Hand reports to `after_run_report`, not back to Monarch's default hook: a stopped
         process's report can arrive seconds after the run closed (a dead process's per-proc
         actors report ~10 s after it), and the default hook would interrupt whatever this
         process does by then."""
+        for task in self._owning:
+            task.cancel()
         if self._previous_hook is not None:
             monarch.actor.unhandled_fault_hook = after_run_report
             self._previous_hook = None
 
     def _on_failure(self, failure) -> None:
         """Runs on a Monarch thread; returning normally marks the failure handled."""
+        if _RUN_OF_MESH.get(getattr(failure, "mesh_name", None), self.run) != self.run:
+            after_run_report(failure)  # a mesh of an earlier run of this process
+            return
         report = failure.report()
         assert self._loop is not None
         if self._loop.is_closed():  # a late report after the run ended needs no wake-up
