@@ -161,6 +161,37 @@ def _process_of_replica_1(fleet):
     return process
 
 
+def _two_calls_as_replica_1_dies(fleet, supervisor, dies):
+    """On a started fleet whose replica 1 never answers: two calls, one on each replica;
+    `dies()` once replica 1 has its call. The answers, or the ActorFailure the run ends with."""
+
+    async def scenario():
+        meshes = await _start(fleet, restarts_start=False)
+        dying = meshes.generators[1].actor
+        dying.dead = True
+        try:
+            calls = [
+                fleet.generate_fn(np.zeros(2, np.int32), request_id=f"r{i}", session_id=f"s{i}")
+                for i in range(2)
+            ]
+
+            async def step():
+                pending = asyncio.gather(*calls)
+                while not dying.calls:
+                    await asyncio.sleep(0.01)
+                dies()
+                return await pending
+
+            return await _watch(supervisor, step())
+        except ActorFailure as failure:
+            return failure
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+
+    return asyncio.run(scenario())
+
+
 # ---- every replica down (generator.replicas_down_timeout_s) --------------------------------
 def test_every_replica_down_for_the_timeout_stops_the_run_with_one_line(tmp_path):
     fleet, supervisor = _fleet(tmp_path, "--generator.replicas_down_timeout_s=0.2")
@@ -269,32 +300,11 @@ def test_a_replica_death_ends_the_run_under_stop_and_is_rerouted_under_restart(
     fleet, supervisor = _fleet(tmp_path, f"--generator.on_replica_death={policy}")
     report = KILLED.replace("generator{", "generator1{")
 
-    async def scenario():
-        meshes = await _start(fleet, restarts_start=False)
-        dying = meshes.generators[1].actor
-        dying.dead = True
-        try:
-            supervisor.where = "during RL step 3"
-            calls = [
-                fleet.generate_fn(np.zeros(2, np.int32), request_id=f"r{i}", session_id=f"s{i}")
-                for i in range(2)
-            ]
+    def dies():
+        supervisor.where = "during RL step 3"
+        supervisor._on_failure(_Failure(report))  # as from Monarch's thread
 
-            async def step():
-                pending = asyncio.gather(*calls)
-                while not dying.calls:
-                    await asyncio.sleep(0.01)
-                supervisor._on_failure(_Failure(report))  # as from Monarch's thread
-                return await pending
-
-            return await _watch(supervisor, step())
-        except ActorFailure as failure:
-            return failure
-        finally:
-            await fleet.close()
-            supervisor.uninstall()
-
-    out = asyncio.run(scenario())
+    out = _two_calls_as_replica_1_dies(fleet, supervisor, dies)
     if policy == "stop":
         assert isinstance(out, ActorFailure) and out.actor == "generator1"
         assert str(out).startswith("generator1 failed during RL step 3 (rank 0): ")
@@ -314,31 +324,14 @@ def test_a_replica_process_gone_on_this_host_while_it_generates_is_heard_of_with
     fleet, supervisor = _fleet(tmp_path)
     process = _process_of_replica_1(fleet)
 
-    async def scenario():
-        meshes = await _start(fleet, restarts_start=False)
-        dying = meshes.generators[1].actor
-        dying.dead = True
-        try:
-            calls = [
-                fleet.generate_fn(np.zeros(2, np.int32), request_id=f"r{i}", session_id=f"s{i}")
-                for i in range(2)
-            ]
+    def dies():
+        process.kill()
+        process.wait()
 
-            async def step():
-                pending = asyncio.gather(*calls)
-                while not dying.calls:
-                    await asyncio.sleep(0.01)
-                process.kill()
-                process.wait()
-                return await pending
-
-            return await _watch(supervisor, step())
-        finally:
-            await fleet.close()
-            supervisor.uninstall()
-            process.kill()
-
-    out = asyncio.run(scenario())
+    try:
+        out = _two_calls_as_replica_1_dies(fleet, supervisor, dies)
+    finally:
+        process.kill()
     assert [c.metrics["by"] for c in out] == ["generator", "generator"]
     assert fleet.router.rerouted == 1 and fleet.router.down == {1}
     assert fleet.replicas[1].incarnation == 1  # its restart began
