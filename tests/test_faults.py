@@ -309,6 +309,35 @@ def test_a_process_killed_by_a_signal_leaves_its_stacks_and_the_error_names_them
     assert line.endswith(f"; its Python stacks at death: {tmp_path / 'generator-rank0.log'}")
 
 
+def test_a_run_closes_after_the_report_of_a_death_it_heard_of_first(monkeypatch):
+    """The fleet hears of a replica's death before Monarch reports it (its process seen
+    gone): the run's close waits for that report, which would otherwise reach the next run
+    of this process; a death with no report is waited for SETTLE_S at most."""
+    from torchtitan_rl.controller import supervision
+
+    monkeypatch.setattr(supervision, "SETTLE_MARGIN_S", 0.05)
+    monkeypatch.setattr(supervision, "SETTLE_S", 0.5)
+    report = KILLED.replace("generator{", "generator1{")
+    supervisor = Supervisor(("generator", "generator1"))
+    supervisor.survive = lambda name: True
+
+    async def scenario():
+        supervisor.install()
+        supervisor.survived_death("generator1")
+        threading.Timer(0.3, supervisor._on_failure, [_Failure(report)]).start()
+        await supervisor.settle()
+        reported = list(supervisor.survived)
+        supervisor.survived_death("generator")  # never reported
+        t0 = time.monotonic()
+        await supervisor.settle()
+        supervisor.uninstall()
+        return reported, time.monotonic() - t0
+
+    reported, waited = asyncio.run(scenario())
+    assert reported == [report]  # it came to this run, not after its close
+    assert waited < 5.0  # bounded by SETTLE_S (0.5 s here), not hung
+
+
 class _StartsSlowly(Actor):
     """An actor still in its constructor when its mesh is stopped: Monarch reports it
     ("cleanup error: deadline has elapsed") seconds after the stop returned."""

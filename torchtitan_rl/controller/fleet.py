@@ -349,7 +349,7 @@ class GeneratorFleet:
         replica.up = replica.joining = False
         replica.down_since = time.monotonic()
         replica.fn.fail_in_flight()
-        self.supervisor.survived_death()
+        self.supervisor.survived_death(replica.name)
         moved = len(replica.fn.in_flight)
         if self.router is not None:
             self.router.set_down(index)

@@ -141,6 +141,7 @@ class Controller:
         await self.fleet.close()
         await stop_all(self.meshes)  # with several hosts, the job's hosts too
         await kill_leftovers(self.local_processes + self.fleet.local_processes)
+        await self.supervisor.settle()  # the reports of deaths it survived come to it
         self.supervisor.uninstall()  # after the stops: a dying mesh still reports to it
         if self.metrics is not None:
             self.metrics.close()

@@ -49,6 +49,13 @@ NAMED_REPORT_WAIT_S = 15.0
 actors, e.g. its logger, can report the same death first), how long to wait for the report
 that names ours."""
 
+SETTLE_S = 12.0
+"""At close, how long the run waits for Monarch's reports of deaths it survived but had not
+seen reported yet (`settle`); a report comes ~10 s after the death."""
+SETTLE_MARGIN_S = 1.0
+"""After those reports, how long for the reports of Monarch's own actors on the same
+processes, which name none of ours."""
+
 SURVIVED_ECHO_S = 60.0
 """After a death the run survives, how long reports naming none of ours are taken for that
 process's (Monarch's own actors on it, or its mesh being stopped, report it again later); a
@@ -154,6 +161,8 @@ class Supervisor:
         it, are then set aside in `survived`."""
         self.survived: list[str] = []
         self._survived_at = -float("inf")
+        self._unreported: set[str] = set()
+        """Actors of ours the run survived the death of, whose report has not come yet."""
         self.fatal: ActorFailure | None = None
         """Set by `stop_run`: the line a run that cannot go on ends with."""
         self.run = next(_RUNS)
@@ -182,6 +191,19 @@ class Supervisor:
         task = asyncio.get_running_loop().create_task(record())
         self._owning.add(task)
         task.add_done_callback(self._owning.discard)
+
+    async def settle(self) -> None:
+        """Before the run closes: wait up to SETTLE_S for the reports of deaths it survived
+        but heard of first (a process seen gone, a call that failed), and SETTLE_MARGIN_S
+        more for Monarch's own actors' reports of them. Else they come after the close and,
+        with another run in this process (tests, benches), reach that run and end it."""
+        if not self._unreported:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SETTLE_S
+        while self._unreported and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(SETTLE_MARGIN_S)
 
     def uninstall(self) -> None:
         """Hand reports to `after_run_report`, not back to Monarch's default hook: a stopped
@@ -216,14 +238,19 @@ class Supervisor:
         if ours is not None and self.survive is not None and self.survive(ours[0]):
             self.survived_death()
             self._set_aside(report)
+        if ours is not None:
+            self._unreported.discard(ours[0])
         elif ours is None and now - self._survived_at <= SURVIVED_ECHO_S:
             self._set_aside(report)
         self._failed.set()
 
-    def survived_death(self) -> None:
+    def survived_death(self, name: str | None = None) -> None:
         """A process the run survives died (told by `survive`, or by the fleet when a call
         on it failed first): the reports naming none of ours so far, and those of the next
-        SURVIVED_ECHO_S, are taken for its own."""
+        SURVIVED_ECHO_S, are taken for its own. `name`: the actor of ours that died, heard
+        of before its report (`settle` waits for that report)."""
+        if name is not None:
+            self._unreported.add(name)
         self._survived_at = asyncio.get_running_loop().time()
         self._set_aside(None)
         self._failed.set()
