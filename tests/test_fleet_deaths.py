@@ -257,6 +257,34 @@ def test_a_replica_restarted_while_a_sync_is_in_flight_joins_at_the_next_sync(tm
     assert fleet.replicas[1].up and fleet.router.down == set()
 
 
+def test_a_restarted_replica_gets_the_weights_when_the_last_one_up_dies_before_the_sync(tmp_path):
+    """Replica 1's new process is ready (joining) while replica 0 serves, and replica 0 dies
+    before the step's sync, its new process not starting: no step can finish to sync replica
+    1 in, so the fleet gives it the trainer's weights itself and it takes the calls (else
+    both stay down until replicas_down_timeout_s ends the run)."""
+    fleet, supervisor = _fleet(tmp_path)
+    synced = []
+
+    async def scenario():
+        meshes = await _start(fleet, restarts_start=False, synced=synced)
+        try:
+            meshes.generator_hosts[1].starts.set()  # only replica 1's host starts a process
+            fleet.replica_down(1)
+            while not fleet.replicas[1].joining:
+                await asyncio.sleep(0.01)
+            fleet.replica_down(0)
+            call = fleet.generate_fn(np.zeros(2, np.int32), request_id="r", session_id="s")
+            return await _watch(supervisor, call)
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+
+    out = asyncio.run(scenario())
+    assert out.metrics["by"] == "generator1_r1"
+    assert synced == [("generator1_r1",)] and fleet.version == FakeSync.version
+    assert [(r.up, r.joining) for r in fleet.replicas] == [(False, False), (True, False)]
+
+
 # ---- generator.on_replica_death ------------------------------------------------------------
 @pytest.mark.parametrize("policy", ["stop", "restart"])
 def test_a_replica_death_ends_the_run_under_stop_and_is_rerouted_under_restart(
