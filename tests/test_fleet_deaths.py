@@ -288,6 +288,34 @@ def test_a_replica_restarted_while_a_sync_is_in_flight_joins_at_the_next_sync(tm
     assert fleet.replicas[1].up and fleet.router.down == set()
 
 
+def test_a_restarted_replica_gets_the_weights_when_the_last_one_up_dies_before_the_sync(tmp_path):
+    """Replica 1's new process is ready (joining) while replica 0 serves, and replica 0 dies
+    before the step's sync, its new process not starting: no step can finish to sync replica
+    1 in, so the fleet gives it the trainer's weights itself and it takes the calls (else
+    both stay down until replicas_down_timeout_s ends the run)."""
+    fleet, supervisor = _fleet(tmp_path)
+    synced = []
+
+    async def scenario():
+        meshes = await _start(fleet, restarts_start=False, synced=synced)
+        try:
+            meshes.generator_hosts[1].starts.set()  # only replica 1's host starts a process
+            fleet.replica_down(1)
+            while not fleet.replicas[1].joining:
+                await asyncio.sleep(0.01)
+            fleet.replica_down(0)
+            call = fleet.generate_fn(np.zeros(2, np.int32), request_id="r", session_id="s")
+            return await _watch(supervisor, call)
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+
+    out = asyncio.run(scenario())
+    assert out.metrics["by"] == "generator1_r1"
+    assert synced == [("generator1_r1",)] and fleet.version == FakeSync.version
+    assert [(r.up, r.joining) for r in fleet.replicas] == [(False, False), (True, False)]
+
+
 # ---- generator.on_replica_death ------------------------------------------------------------
 @pytest.mark.parametrize("policy", ["stop", "restart"])
 def test_a_replica_death_ends_the_run_under_stop_and_is_rerouted_under_restart(
@@ -394,6 +422,63 @@ def test_a_reopened_sync_that_fails_is_retried_only_when_a_member_died(
         assert opened == [("generator", "generator1_r1")]
         assert retried not in [r.getMessage() for r in caplog.records]
         assert waits == []  # the line stands after the fleet's wait (0.3 s here), not 30 s more
+
+
+def test_a_joining_process_gone_while_the_group_opens_is_not_waited_for_in_the_sync(tmp_path):
+    """Replica 1's new process joins the group the sync opens, and is killed while it opens:
+    the fleet sees it gone at once (outside the last group, so not as a member of it). The
+    group that opened over it is not used (a broadcast to a dead peer waits out its peer
+    timeout, 30 s and more): the sync is tried again over the live ones."""
+    import socket
+    import subprocess
+
+    from torchtitan_rl.controller.processes import started
+
+    fleet, supervisor = _fleet(tmp_path)
+    synced, opened, joined = [], [], subprocess.Popen(["sleep", "60"])
+
+    async def scenario():
+        await _start(fleet, restarts_start=True, synced=synced)
+        try:
+            await fleet.open_weight_sync()
+            fleet._members = fleet.weight_sync.members = ("generator",)  # the last step's
+            fleet.replica_down(1)
+            while not fleet.replicas[1].joining:
+                await asyncio.sleep(0.01)
+            record = {"role": "generator1_r1", "host": socket.gethostname(), "pid": joined.pid}
+            fleet.local_processes.append((record, started(joined.pid)))
+            fake_open, formed = fleet.open_weight_sync, asyncio.Event()
+
+            async def open_weight_sync():  # as the real one: over those up or joining now
+                opened.append(tuple(r.name for r in fleet.replicas if r.up or r.joining))
+                if len(opened) == 1:
+                    await formed.wait()
+                await fake_open()
+                fleet._members = fleet.weight_sync.members = opened[-1]
+                live = {r.name for r in fleet.replicas if r.up or r.joining}
+                if not set(opened[-1]) <= live:  # a broadcast to a dead peer
+                    fleet.weight_sync.__class__ = type(
+                        "ToTheDead", (FakeSync,), {"__call__": lambda self: asyncio.Event().wait()}
+                    )
+
+            fleet.open_weight_sync = open_weight_sync
+            syncing = asyncio.ensure_future(_watch(supervisor, fleet.sync()))
+            while not opened:
+                await asyncio.sleep(0.01)
+            joined.kill()
+            joined.wait()
+            while fleet.replicas[1].incarnation < 2:  # heard of; restarted (a fake: at once)
+                await asyncio.sleep(0.01)
+            formed.set()
+            await syncing
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+            joined.kill()
+
+    asyncio.run(scenario())
+    assert opened == [("generator", "generator1_r1"), ("generator", "generator1_r2")]
+    assert synced == [("generator", "generator1_r2")] and fleet.replicas[1].up
 
 
 def test_a_replica_that_dies_while_the_first_weight_group_forms_is_survived(tmp_path, monkeypatch):

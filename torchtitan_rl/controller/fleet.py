@@ -234,6 +234,9 @@ class GeneratorFleet:
             try:
                 if self.weight_sync is None or members != self._members or self._regroup:
                     await self.open_weight_sync()  # a member may die here too
+                    # one outside the last group is not taken for a member as it dies
+                    if not set(members) <= {r.name for r in self.replicas if r.up or r.joining}:
+                        raise MemberDied("a member of the weight sync died while it opened")
                 await self._unless_a_member_dies(self.weight_sync())
                 break
             except Exception as e:
@@ -364,9 +367,15 @@ class GeneratorFleet:
         )  # fmt: skip
         if alive == 0:
             self._start_all_down_timer()
-        # in the run's context: a death reported on Monarch's thread arrives outside it, and
-        # spawning a process needs the Monarch client context the run started in
-        task = asyncio.get_running_loop().create_task(self._restart(replica), context=self._context)
+            if any(r.joining for r in self.replicas):  # restarted ones, ready for weights
+                self._track(self._weights_for_joining())
+        self._track(self._restart(replica))
+
+    def _track(self, coroutine) -> None:
+        """Run `coroutine` as a task that `close` cancels, in the run's context: a death
+        reported on Monarch's thread arrives outside it, and spawning a process (or a sync)
+        needs the Monarch client context the run started in."""
+        task = asyncio.get_running_loop().create_task(coroutine, context=self._context)
         self.restarts.add(task)
         task.add_done_callback(self.restarts.discard)
 
@@ -401,6 +410,18 @@ class GeneratorFleet:
                 except Exception as e:
                     logger.warning("weights for the restarted replicas: %s", e)
             return
+
+    async def _weights_for_joining(self) -> None:
+        """The last replica up died while restarted ones wait for the next step's sync, which
+        no step can reach now: they get the trainer's weights at once, as in `_restart`.
+        Nothing when a sync meanwhile brought one up."""
+        async with self._sync_lock:
+            if any(r.up for r in self.replicas) or not any(r.joining for r in self.replicas):
+                return
+            try:
+                await self._sync()
+            except Exception as e:
+                logger.warning("weights for the restarted replicas: %s", e)
 
     async def _respawn(self, replica: Replica, name: str):
         old = self.meshes.generators[replica.index]
