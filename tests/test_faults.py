@@ -323,6 +323,9 @@ def test_a_run_closes_after_the_report_of_a_death_it_heard_of_first(monkeypatch)
 
     async def scenario():
         supervisor.install()
+        supervisor.own(_Mesh("generator-Fake0000001"))
+        supervisor.own(_Mesh("generator1-Fake000001"))
+        await asyncio.sleep(0)  # their names are known
         supervisor.survived_death("generator1")
         threading.Timer(0.3, supervisor._on_failure, [_Failure(report)]).start()
         await supervisor.settle()
@@ -336,6 +339,43 @@ def test_a_run_closes_after_the_report_of_a_death_it_heard_of_first(monkeypatch)
     reported, waited = asyncio.run(scenario())
     assert reported == [report]  # it came to this run, not after its close
     assert waited < 5.0  # bounded by SETTLE_S (0.5 s here), not hung
+
+
+class _Mesh:
+    """An actor mesh as `Supervisor.own` sees it: Monarch's name for it, awaited."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @property
+    def _name(self):
+        async def name():
+            return self.name
+
+        return name()
+
+
+def test_a_close_does_not_wait_for_reports_of_actors_monarch_never_spawned(monkeypatch):
+    """A death the fleet heard of, of an actor that is no Monarch mesh of this run (a fake
+    in tests: Monarch reports nothing of it): the close does not wait SETTLE_S for it."""
+    from torchtitan_rl.controller import supervision
+
+    monkeypatch.setattr(supervision, "SETTLE_S", 3600.0)
+    supervisor = Supervisor(("generator", "generator1"))
+
+    async def scenario():
+        supervisor.install()
+        supervisor.own(object())  # a fake replica: it has no mesh name
+        supervisor.survived_death("generator1")
+        settling = asyncio.ensure_future(supervisor.settle())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        done = settling.done()
+        settling.cancel()
+        supervisor.uninstall()
+        return done
+
+    assert asyncio.run(scenario())
 
 
 class _StartsSlowly(Actor):

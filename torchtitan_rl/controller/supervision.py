@@ -196,7 +196,12 @@ class Supervisor:
         """Before the run closes: wait up to SETTLE_S for the reports of deaths it survived
         but heard of first (a process seen gone, a call that failed), and SETTLE_MARGIN_S
         more for Monarch's own actors' reports of them. Else they come after the close and,
-        with another run in this process (tests, benches), reach that run and end it."""
+        with another run in this process (tests, benches), reach that run and end it. Only
+        actors of a mesh Monarch named for this run (`own`): of another (a fake in tests)
+        Monarch reports nothing."""
+        owned = list(_RUN_OF_MESH.items())  # one step: `own` may write it meanwhile
+        spawned = {mesh.rsplit("-", 1)[0] for mesh, run in owned if run == self.run}
+        self._unreported &= spawned
         if not self._unreported:
             return
         loop = asyncio.get_running_loop()
