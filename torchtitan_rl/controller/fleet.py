@@ -161,6 +161,8 @@ class GeneratorFleet:
         if self.config.rollout.processes:
             self.rollout = RolloutProcesses(self.config, self.log_dir)
             await self.rollout.start(self)
+            for actor in self.rollout.actors:
+                self.supervisor.own(actor)
         if self.survives:
             self.supervisor.survive = self.survive
             self._watching = asyncio.ensure_future(self._watch_here())

@@ -80,7 +80,6 @@ class RolloutProcesses:
                     log_dir=self.log_dir,
                 )  # fmt: skip
             )
-            fleet.supervisor.own(self.actors[-1])
 
     async def play_group(self, sample: dict[str, Any], *, group_id: int, step: int) -> RolloutGroup:
         actor = self.actors[group_id % len(self.actors)]
