@@ -240,12 +240,12 @@ class Supervisor:
         self.reports.append(report)
         ours = _our_actor(report, self.names)
         now = self._loop.time()
-        if ours is not None and self.survive is not None and self.survive(ours[0]):
-            self.survived_death()
-            self._set_aside(report)
         if ours is not None:
+            if self.survive is not None and self.survive(ours[0]):
+                self.survived_death()
+                self._set_aside(report)
             self._unreported.discard(ours[0])
-        elif ours is None and now - self._survived_at <= SURVIVED_ECHO_S:
+        elif now - self._survived_at <= SURVIVED_ECHO_S:
             self._set_aside(report)
         self._failed.set()
 
