@@ -404,19 +404,15 @@ class GeneratorFleet:
             replica.joining = True
             logger.warning("%s restarted as %s; it takes calls after the next weight sync",
                            replica_name(replica.index), name)  # fmt: skip
-            if not any(r.up for r in self.replicas):
-                # no step can finish to sync them in: they get the trainer's weights now
-                # (newer than the batch in flight was started with; still within the bound)
-                try:
-                    await self.sync()
-                except Exception as e:
-                    logger.warning("weights for the restarted replicas: %s", e)
+            # with none up, no step can finish to sync them in: they get the trainer's weights
+            # now (newer than the batch in flight was started with; still within the bound)
+            await self._weights_for_joining()
             return
 
     async def _weights_for_joining(self) -> None:
-        """The last replica up died while restarted ones wait for the next step's sync, which
-        no step can reach now: they get the trainer's weights at once, as in `_restart`.
-        Nothing when a sync meanwhile brought one up."""
+        """With no replica up, restarted ones would wait for the next step's sync, which no
+        step can reach: they get the trainer's weights at once (after a restart, or when the
+        last replica up died). Nothing when a replica is up or none is restarted."""
         async with self._sync_lock:
             if any(r.up for r in self.replicas) or not any(r.joining for r in self.replicas):
                 return
