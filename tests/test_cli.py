@@ -32,16 +32,16 @@ def test_a_finished_run_says_so_without_starting_anything(tmp_path):
 def test_run_train_sh_reads_paths_and_modules_from_the_folder_it_is_called_in(
     tmp_path, monkeypatch
 ):
-    """From a user's folder holding my_envs/ (the README's files): CONFIG_FILE, the run
+    """From a user's folder holding my_envs/ (docs/environments.md's files): CONFIG_FILE, the run
     folder and the environment module are all found there, not in the repository."""
-    from test_env_plugin import readme_block
+    from test_env_plugin import guide_block
 
     from torchtitan_rl.config import load_config, to_toml
     from torchtitan_rl.controller.checkpoints import CheckpointStore, ControllerState
 
     (tmp_path / "my_envs").mkdir()
-    (tmp_path / "my_envs" / "arith.py").write_text(readme_block("# my_envs/arith.py", "python"))
-    (tmp_path / "my_envs" / "arith.toml").write_text(readme_block("# my_envs/arith.toml", "toml"))
+    (tmp_path / "my_envs" / "arith.py").write_text(guide_block("# my_envs/arith.py", "python"))
+    (tmp_path / "my_envs" / "arith.toml").write_text(guide_block("# my_envs/arith.toml", "toml"))
     # a finished run in <tmp_path>/outputs/arith: the command answers without spawning
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -1,5 +1,6 @@
-"""An environment outside the package, exactly as the README writes it, plugged in by import
-path: config errors name it, and it trains two RL steps through Monarch."""
+"""An environment outside the package, exactly as docs/environments.md writes it (the README's
+"Write an environment" links it), plugged in by import path: config errors name it, and it
+trains two RL steps through Monarch."""
 
 import re
 import sys
@@ -13,20 +14,23 @@ from torchtitan_rl.config import ConfigError, load_config, to_toml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def readme_block(first_line: str, language: str) -> str:
-    """The README's fenced block of `language` whose first line is `first_line`."""
-    blocks = re.findall(rf"```{language}\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+GUIDE = ROOT / "docs" / "environments.md"
+
+
+def guide_block(first_line: str, language: str) -> str:
+    """The guide's fenced block of `language` whose first line is `first_line`."""
+    blocks = re.findall(rf"```{language}\n(.*?)```", GUIDE.read_text(), re.DOTALL)
     matches = [b for b in blocks if b.startswith(first_line)]
-    assert len(matches) == 1, f"README: {len(matches)} {language} blocks start {first_line!r}"
+    assert len(matches) == 1, f"{GUIDE.name}: {len(matches)} {language} blocks start {first_line!r}"
     return matches[0]
 
 
 @pytest.fixture
 def arith_module(tmp_path, monkeypatch):
-    """The README's my_envs/arith.py, written into a folder outside the package."""
+    """The guide's my_envs/arith.py, written into a folder outside the package."""
     folder = tmp_path / "user_code"
     (folder / "my_envs").mkdir(parents=True)
-    (folder / "my_envs" / "arith.py").write_text(readme_block("# my_envs/arith.py", "python"))
+    (folder / "my_envs" / "arith.py").write_text(guide_block("# my_envs/arith.py", "python"))
     monkeypatch.syspath_prepend(str(folder))
     yield
     for name in [m for m in sys.modules if m.startswith("my_envs")]:
@@ -34,9 +38,9 @@ def arith_module(tmp_path, monkeypatch):
 
 
 def _config(tmp_path, *extra):
-    """The README's complete job file for the environment, run under tmp_path."""
+    """The guide's complete job file for the environment, run under tmp_path."""
     toml = tmp_path / "arith.toml"
-    toml.write_text(readme_block("# my_envs/arith.toml", "toml"))
+    toml.write_text(guide_block("# my_envs/arith.toml", "toml"))
     return load_config(toml, [f"--job.output_dir={tmp_path}", "--job.run_name=arith", *extra])
 
 
