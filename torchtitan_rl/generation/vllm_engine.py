@@ -209,6 +209,9 @@ def start_vllm_engine(
         enforce_eager=device.type != "cuda" or not config.cuda_graphs,
         logprobs_mode="processed_logprobs",
         max_logprobs=-1,
+        # its stat loggers took ~9% of the CPU time of a step in the loop (docs/benchmarks.md,
+        # "vLLM in the loop"); the generator reports its own (generator/*)
+        disable_log_stats=True,
         **({} if lora is None else lora_engine_args(lora, set(EngineArgs.__dataclass_fields__))),
     )
     quiet_vllm_logs()
@@ -234,6 +237,9 @@ def start_vllm_engine(
         # on the GPU (docs/benchmarks.md, "In-loop request pattern"), and on CPU vLLM's
         # attention fails from a thread other than the one that started it
         threaded=False,
+        # a step of vLLM is ~15 ms of mostly CPU: yielding after each one lets a finished
+        # turn's reply leave and the next turn arrive at once (docs/benchmarks.md)
+        steps_per_yield=1,
     )
 
 
