@@ -140,6 +140,39 @@ def test_a_joining_process_gone_while_the_group_opens_is_not_waited_for_in_the_s
     assert synced == [("generator", "generator1_r2")] and fleet.replicas[1].up
 
 
+def test_a_replica_that_starts_joining_while_the_group_opens_takes_calls_after_that_sync(
+    tmp_path,
+):
+    """Replica 1 died; the sync reopens the group over the live replica, and while it opens
+    (the old group closing) replica 1's new process comes up and joins: the group opens over
+    it too, so it has the weights and takes calls once this sync is over, not a step later."""
+    fleet, supervisor = _fleet(tmp_path)
+    synced = []
+
+    async def scenario():
+        meshes = await _start(fleet, restarts_start=False, synced=synced)
+        try:
+            await fleet.open_weight_sync()
+            fleet.replica_down(1)  # its new process waits for its host to let it start
+            fake_open = fleet.open_weight_sync
+
+            async def open_weight_sync():  # the real one closes the last group first
+                meshes.generator_hosts[1].starts.set()
+                while not fleet.replicas[1].joining:
+                    await asyncio.sleep(0.01)
+                await fake_open()
+
+            fleet.open_weight_sync = open_weight_sync
+            await _watch(supervisor, fleet.sync())
+            assert fleet.replicas[1].up and not fleet.replicas[1].joining
+        finally:
+            await fleet.close()
+            supervisor.uninstall()
+
+    asyncio.run(scenario())
+    assert synced == [("generator", "generator1_r1")]
+
+
 def test_a_replica_that_dies_while_the_first_weight_group_forms_is_survived(tmp_path, monkeypatch):
     """`Controller.start` with 2 replicas and a named transport: replica 1 dies while the
     first group forms. The sync is tried again over the live replica (the death is survived,

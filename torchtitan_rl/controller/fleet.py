@@ -236,6 +236,8 @@ class GeneratorFleet:
             try:
                 if self.weight_sync is None or members != self._members or self._regroup:
                     await self.open_weight_sync()  # a member may die here too
+                    # the group as it opened: a replica may have started joining meanwhile
+                    members = self._members
                     # one outside the last group is not taken for a member as it dies
                     if not set(members) <= {r.name for r in self.replicas if r.up or r.joining}:
                         raise MemberDied("a member of the weight sync died while it opened")
