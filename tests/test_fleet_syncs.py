@@ -140,29 +140,55 @@ def test_a_joining_process_gone_while_the_group_opens_is_not_waited_for_in_the_s
     assert synced == [("generator", "generator1_r2")] and fleet.replicas[1].up
 
 
+class _Group:
+    """The weight sync the real `open_weight_sync` opens: over the actors it is given, each
+    of which gets `version`; `closing` runs while the old group closes."""
+
+    version, closing = 7, None
+    transport, backend, payload, base_sent_to = "broadcast", "gloo", "full weights", ""
+
+    def __init__(self, actors):
+        self.actors = actors
+
+    @classmethod
+    async def create(cls, trainer, actors, dtype, transport):
+        return cls(actors)
+
+    async def close(self):
+        if _Group.closing is not None:
+            await _Group.closing()
+
+    async def __call__(self):
+        for actor in self.actors:
+            actor.version = self.version
+
+
 def test_a_replica_that_starts_joining_while_the_group_opens_takes_calls_after_that_sync(
-    tmp_path,
+    tmp_path, monkeypatch
 ):
-    """Replica 1 died; the sync reopens the group over the live replica, and while it opens
-    (the old group closing) replica 1's new process comes up and joins: the group opens over
-    it too, so it has the weights and takes calls once this sync is over, not a step later."""
+    """Replica 1 died; the sync opens a group again, and while the old group closes replica
+    1's new process comes up and joins: the group opens over it too, so it has the weights
+    and takes calls once this sync is over, not a step later."""
+    from torchtitan_rl.controller import fleet as fleet_module
+
+    monkeypatch.setattr(fleet_module, "WeightSync", _Group)
+    monkeypatch.setattr(_Group, "closing", None)
     fleet, supervisor = _fleet(tmp_path)
-    synced = []
+    hosts = [FakeHost(starts=False) for _ in range(2)]
+    meshes = Meshes(trainer=None, generators=[FakeMesh(h) for h in hosts], generator_hosts=hosts)
+
+    async def joins():  # its new process comes up while the old group closes
+        hosts[1].starts.set()
+        while not fleet.replicas[1].joining:
+            await asyncio.sleep(0.01)
 
     async def scenario():
-        meshes = await _start(fleet, restarts_start=False, synced=synced)
+        supervisor.install()
+        await fleet.start(meshes, trainer=None, run_dir=None)
         try:
             await fleet.open_weight_sync()
             fleet.replica_down(1)  # its new process waits for its host to let it start
-            fake_open = fleet.open_weight_sync
-
-            async def open_weight_sync():  # the real one closes the last group first
-                meshes.generator_hosts[1].starts.set()
-                while not fleet.replicas[1].joining:
-                    await asyncio.sleep(0.01)
-                await fake_open()
-
-            fleet.open_weight_sync = open_weight_sync
+            _Group.closing = joins
             await _watch(supervisor, fleet.sync())
             assert fleet.replicas[1].up and not fleet.replicas[1].joining
         finally:
@@ -170,7 +196,8 @@ def test_a_replica_that_starts_joining_while_the_group_opens_takes_calls_after_t
             supervisor.uninstall()
 
     asyncio.run(scenario())
-    assert synced == [("generator", "generator1_r1")]
+    assert fleet._members == ("generator", "generator1_r1")
+    assert [r.actor.version for r in fleet.replicas] == [7, 7]
 
 
 def test_a_replica_that_dies_while_the_first_weight_group_forms_is_survived(tmp_path, monkeypatch):

@@ -183,16 +183,18 @@ class GeneratorFleet:
         """The weight sync over the replicas that are up or joining (called at start, and
         again by `sync` when the membership changed)."""
         cfg = self.config
-        members = [r for r in self.replicas if r.up or r.joining]
         if self.weight_sync is not None:
             await self.weight_sync.close()
+        # one look after the old group closed: a replica that started joining meanwhile is
+        # in the group, and each name is that of the process the group opens over
+        members = [(r.name, r.actor) for r in self.replicas if r.up or r.joining]
         t0 = time.perf_counter()
         self.weight_sync = await WeightSync.create(
-            self.trainer, [r.actor for r in members], cfg.generator.dtype,
+            self.trainer, [actor for _, actor in members], cfg.generator.dtype,
             cfg.weight_sync.transport,
         )  # fmt: skip
         self.weight_sync.peer_failure_wait_s = max(30.0, cfg.launcher.host_timeout_s + 20.0)
-        self._members, self._regroup = tuple(r.name for r in members), False
+        self._members, self._regroup = tuple(name for name, _ in members), False
         sync = self.weight_sync
         backend = f" ({sync.backend})" if sync.backend else ""
         base = f", the base to {sync.base_sent_to} first" if sync.base_sent_to else ""
