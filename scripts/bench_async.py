@@ -61,7 +61,7 @@ TAGS = {
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="", help="job.output_dir of every run ($OUT/bench_async)")
-    p.add_argument("--smoke", action="store_true", help="tiny CPU job, 3 steps, staleness 0 and 1")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU job, 3 steps, staleness 0")
     p.add_argument("--staleness", nargs="+", default=["0", "1", "1s", "2"])
     p.add_argument("--prompts", type=int, nargs="+", default=[8, 32], help="prompts_per_step")
     p.add_argument("--backends", nargs="+", default=["native"], help="generator.backend values")
@@ -76,12 +76,14 @@ def parse_args() -> argparse.Namespace:
 
 
 SMOKE = (
-    "--parallelism.device=cpu --warm_start.steps=2 --training.steps=3 --validation.interval=0 "
-    "--checkpoint.interval=0 --rollout.group_size=2 --rollout.max_tokens=16 "
-    "--validation.max_tokens=16 --rollout.filter_zero_std_groups=false "
-    "--generator.max_num_seqs=8"
+    "--parallelism.device=cpu --parallelism.trainer_procs=1 --warm_start.steps=2 "
+    "--training.steps=3 --validation.interval=0 --checkpoint.interval=0 "
+    "--rollout.group_size=2 --rollout.max_tokens=16 --validation.max_tokens=16 "
+    "--rollout.filter_zero_std_groups=false --generator.max_num_seqs=8"
 )
-"""A job small enough for the test suite: the tiny model on CPU, 3 RL steps."""
+"""A job small enough for the test suite: the tiny model on CPU, 3 RL steps, one trainer
+process as the GPU job has (the tiny job's two FSDP processes would double a smoke run's
+time on a 2-core VM)."""
 
 
 def layout_overrides(layout: str) -> list[str]:
@@ -119,8 +121,9 @@ def run_one(out: Path, name: str, overrides: list[str], skip: int, config: str) 
 def main() -> None:
     args = parse_args()
     config = "train_configs/alphabet_sort_qwen3_0.6b.toml"
-    if args.smoke:
-        args.staleness, args.prompts, args.skip = ["0", "1"], [2], 0
+    if args.smoke:  # one run: rows differ only in overrides (bench_routing's smoke runs
+        # run_one at max_staleness 1)
+        args.staleness, args.prompts, args.skip = ["0"], [2], 0
         args.common, config = f"{SMOKE} {args.common}", "train_configs/alphabet_sort_tiny.toml"
     out = Path(args.out or Path(os.environ.get("OUT", "outputs")) / "bench_async").resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -134,6 +137,8 @@ def main() -> None:
                      f"--rollout.ahead={ahead}", f"--rollout.prompts_per_step={prompts}",
                      f"--generator.backend={backend}", *layout_overrides(layout)]  # fmt: skip
         row = run_one(out, name, overrides, args.skip, config)
+        if args.smoke:  # a smoke checks that the script works: a failed run fails it
+            assert row["rc"] == 0, f"{name}: exit code {row['rc']} (see {out}/{name}.log)"
         rows.append(
             {"layout": layout, "backend": backend, "staleness": n, "prompts": prompts, **row}
         )

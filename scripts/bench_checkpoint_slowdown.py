@@ -1,7 +1,7 @@
 """Training step time before and after a checkpoint save, in a one-rank gloo trainer on CPU.
 
     python scripts/bench_checkpoint_slowdown.py [--threads 2] [--steps 10]
-    python scripts/bench_checkpoint_slowdown.py --smoke   # tiny model, 2 steps: seconds
+    python scripts/bench_checkpoint_slowdown.py --smoke   # tiny model, 8 sequences, 1 step
 
 Each row runs in a fresh process: the small built-in model, `--threads` torch threads, a
 one-rank gloo process group (as a one-process CPU trainer has), a batch of 44 random
@@ -35,7 +35,7 @@ MODES = {
 }
 
 
-def run_mode(mode: str, threads: int, steps: int, flavor: str) -> dict:
+def run_mode(mode: str, threads: int, steps: int, flavor: str, sequences: int = 44) -> dict:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -66,7 +66,7 @@ def run_mode(mode: str, threads: int, steps: int, flavor: str) -> dict:
     )
     rng = np.random.default_rng(0)
     episodes = []
-    for i in range(44):
+    for i in range(sequences):
         mask = np.arange(82) >= 69
         episodes.append(
             Episode(
@@ -103,21 +103,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps (a quick check)")
+    p.add_argument("--smoke", action="store_true", help="tiny model, 8 sequences, 1 step")
     p.add_argument("--flavor", default="small", help=argparse.SUPPRESS)
+    p.add_argument("--sequences", type=int, default=44, help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # one row, in a child
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     if args.smoke:
-        args.flavor, args.steps = "tiny", 2
+        args.flavor, args.steps, args.sequences = "tiny", 1, 8
     if args.mode:
-        print(json.dumps(run_mode(args.mode, args.threads, args.steps, args.flavor)))
+        print(
+            json.dumps(run_mode(args.mode, args.threads, args.steps, args.flavor, args.sequences))
+        )
         return
     rows = {}
     for mode in MODES:
         child = [sys.executable, __file__, "--mode", mode]
         child += ["--threads", str(args.threads), "--steps", str(args.steps)]
-        child += ["--flavor", args.flavor]
+        child += ["--flavor", args.flavor, "--sequences", str(args.sequences)]
         done = subprocess.run(child, capture_output=True, text=True, cwd=ROOT, check=True)
         rows[mode] = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"train step, {args.flavor} model, {args.threads} threads, one-rank gloo group (s/step)")

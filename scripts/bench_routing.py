@@ -61,7 +61,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--common", default=COMMON, help="overrides for every run")
     p.add_argument("--skip", type=int, default=3, help="first RL steps left out of the means")
     p.add_argument("--out", default="", help="job.output_dir of every run ($OUT/bench_routing)")
-    p.add_argument("--smoke", action="store_true", help="tiny CPU job, 2 replicas, 2 rows")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU job, 2 rows (1 and 2 replicas)")
     return p.parse_args()
 
 
@@ -75,8 +75,10 @@ def main() -> None:
     args = parse_args()
     config = "train_configs/alphabet_sort_qwen3_0.6b.toml"
     if args.smoke:
-        args.rows = ["config:2", "config:2:--rollout.processes=1"]
-        args.common, args.skip = f"{SMOKE} --generator.num_replicas=2", 0
+        # as the GPU rows: the first on one replica; the second on two, with
+        # rollout.processes (its ratio to the first, its routing over both replicas)
+        args.rows = ["config:2", "config:2:--generator.num_replicas=2 --rollout.processes=1"]
+        args.common, args.skip = SMOKE, 0
         config = "train_configs/alphabet_sort_tiny.toml"
     out = Path(args.out or Path(os.environ.get("OUT", "outputs")) / "bench_routing").resolve()
     out.mkdir(parents=True, exist_ok=True)
