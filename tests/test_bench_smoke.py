@@ -21,6 +21,7 @@ SLOW = {
     "bench_lora.py",
     "bench_vllm_lora.py",
     "bench_routing.py",
+    "bench_worker_stop.py",
 }
 """Smokes over ~20 s on a 2-core CPU (Monarch spawns two processes that import the model)."""
 BENCHES = sorted(p.name for p in (ROOT / "scripts").glob("bench_*.py"))

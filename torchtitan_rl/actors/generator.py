@@ -12,6 +12,7 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint
 
 from torchtitan_rl.actors.fault_log import enable_fault_log
+from torchtitan_rl.actors.process_exit import exit_at_stop
 from torchtitan_rl.device import DTYPES, cap_gpu_memory, describe_device, pick_device
 from torchtitan_rl.generation.backends import traits
 from torchtitan_rl.generation.interface import (
@@ -61,6 +62,7 @@ class GeneratorActor(Actor):
         vLLM engine takes its versions: lora.vllm_sync; where the native one keeps the
         base: lora.generator_base)."""
         self.fault_log = enable_fault_log(log_dir, actor_name, 0)
+        exit_at_stop()
         self.actor_name = actor_name
         # sets the current GPU for this thread, which in Monarch 0.7 also runs every endpoint
         dev = self.device = pick_device(device, cpu_threads, gpu)

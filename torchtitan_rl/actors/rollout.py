@@ -23,6 +23,7 @@ from monarch.actor import Actor, concurrent_endpoint
 
 from torchtitan_rl.actors.fault_log import enable_fault_log
 from torchtitan_rl.actors.generate_fn import ActorGenerateFn
+from torchtitan_rl.actors.process_exit import exit_at_stop
 from torchtitan_rl.config import Config
 from torchtitan_rl.envs import build_environment
 from torchtitan_rl.models.renderer import Renderer
@@ -42,6 +43,7 @@ class RolloutActor(Actor):
         """`replicas`: the generator actors, in replica order, named `replica_names`;
         `failover`: a call on a dead replica goes to a live one (the fleet survives deaths)."""
         self.fault_log = enable_fault_log(log_dir, actor_name, 0)
+        exit_at_stop()
         self.name = actor_name
         renderer = Renderer(Tokenizer.from_file(config.model.hf_checkpoint or None))
         environment = build_environment(config.env, config.job.seed, config.env_args())

@@ -9,6 +9,7 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from torchtitan_rl.actors.fault_log import enable_fault_log
+from torchtitan_rl.actors.process_exit import exit_at_stop
 from torchtitan_rl.device import (
     DTYPES,
     cap_gpu_memory,
@@ -61,6 +62,7 @@ class TrainerActor(Actor):
         empty: the local rank's own index."""
         self.rank = current_rank().rank
         self.fault_log = enable_fault_log(log_dir, "trainer", self.rank)
+        exit_at_stop()
         local = int(os.environ.get("LOCAL_RANK", "0"))
         dev = pick_device(device, cpu_threads, gpus[local] if gpus else None)
         cap_gpu_memory(dev, training.gpu_memory_gib, "training.gpu_memory_gib")
