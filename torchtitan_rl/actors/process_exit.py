@@ -9,9 +9,11 @@ closed by its actor's endpoints before the stop. `exit_at_stop` registers an exi
 runs before every hook registered earlier (exit hooks run last-registered first: Monarch's
 and those of the modules imported before the actor started). It flushes the standard
 streams and the logging handlers, terminates the process's multiprocessing children (as
-multiprocessing's own exit hook would), and ends the process with `os._exit`: exit code 1
-after an uncaught exception (the interpreter sets `sys.last_value` when it prints one),
-else 0.
+multiprocessing's own exit hook would), and ends the process with `os._exit`, with the
+exit code the process was leaving with: the one given to `sys.exit` (Monarch's worker ends
+with `sys.exit(code)`, 1 when its actor failed; `exit_at_stop` wraps `sys.exit` to remember
+it), 1 after an uncaught exception (the interpreter sets `sys.last_value` when it prints
+one), else 0.
 """
 
 from __future__ import annotations
@@ -22,6 +24,24 @@ import os
 import sys
 
 _registered = False
+_exit_code: list = []
+"""The argument of the last `sys.exit` call, once there was one."""
+
+
+def _remembering(exit):
+    def remembering_exit(code=None):
+        _exit_code[:] = [code]
+        exit(code)
+
+    return remembering_exit
+
+
+def _leaving_code() -> int:
+    if getattr(sys, "last_value", None) is not None:
+        return 1
+    if not _exit_code or _exit_code[0] is None:
+        return 0
+    return _exit_code[0] if isinstance(_exit_code[0], int) else 1  # as the interpreter does
 
 
 def _exit_now() -> None:
@@ -37,12 +57,13 @@ def _exit_now() -> None:
             child.terminate()
         for child in children:
             child.join(timeout=1.0)
-    os._exit(1 if getattr(sys, "last_value", None) is not None else 0)
+    os._exit(_leaving_code())
 
 
 def exit_at_stop() -> None:
     """Once per process: at exit, skip the interpreter's finalization (module docstring)."""
     global _registered
     if not _registered:
+        sys.exit = _remembering(sys.exit)
         atexit.register(_exit_now)
         _registered = True
