@@ -5,14 +5,10 @@ scripted envs.
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
-import subprocess
-import sys
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -260,23 +256,6 @@ def run_two_ranks(worker: Callable, *args, ports: int = 1, timeout: float = 600)
     for rank, r in results.items():
         assert not isinstance(r, str), f"rank {rank}:\n{r}"
     return results
-
-
-def run_interpreted(test_module: str, fn: str = "check_interpreted", timeout: float = 300) -> None:
-    """Runs `tests/<test_module>.py`'s `fn` in a child process with TRITON_INTERPRET=1 set
-    before triton is first imported (the interpreter cannot run kernels whose
-    triton.language was imported compiled); fails with the child's stderr."""
-    tests_dir = Path(__file__).parent
-    code = (
-        "import sys, torch; torch.set_num_threads(1); sys.path.insert(0, sys.argv[1]); "
-        f"import {test_module} as t; t.{fn}()"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(tests_dir.parent)}
-    result = subprocess.run(
-        [sys.executable, "-c", code, str(tests_dir)],
-        env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
 
 
 async def run_until_a_kill_ends_it(controller, kill, kill_within_s=600.0) -> tuple[str, float]:

@@ -14,7 +14,7 @@ import functools
 
 import numpy as np
 import torch
-from fakes import run_interpreted
+from interpreted import run_interpreted
 
 
 def _emulate_gpu_bf16() -> None:
@@ -129,9 +129,10 @@ def check_runner() -> None:
         r.load_state_dict(state)
     tokens = torch.randint(0, VOCAB, (64,), generator=torch.Generator().manual_seed(5)).tolist()
     table = list(range(8))
+    n = 21  # the row's position: past a block edge and past one 16-position attention tile
     for r in (runner, exact):
-        r.forward([SeqInput(token_ids=tokens[:29], start=0, block_table=table)])
-    row = SeqInput(token_ids=[tokens[29]], start=29, block_table=table)
+        r.forward([SeqInput(token_ids=tokens[:n], start=0, block_table=table)])
+    row = SeqInput(token_ids=[tokens[n]], start=n, block_table=table)
     alone = runner.forward([row]).clone()
     torch.testing.assert_close(alone, exact.forward([row]), atol=1e-4, rtol=1e-4)
     for others in (1, 16, 40):
@@ -139,14 +140,14 @@ def check_runner() -> None:
             SeqInput(token_ids=[tokens[i % 64]], start=40 + i % 20, block_table=list(range(16, 32)))
             for i in range(others - 1)
         ]
-        beside.append(SeqInput(token_ids=tokens[:21], start=0, block_table=list(range(40, 48))))
+        beside.append(SeqInput(token_ids=tokens[:9], start=0, block_table=list(range(40, 48))))
         mixed = runner.forward([*beside[: others // 2], row, *beside[others // 2 :]])
         assert torch.equal(mixed[others // 2], alone[0]), others
-    # the same 30 tokens in fresh blocks: one prefill step, then token by token
+    # the same n + 1 tokens in fresh blocks: one prefill step, then token by token
     at_once = runner.forward(
-        [SeqInput(token_ids=tokens[:30], start=0, block_table=[50, 51, 52, 53, 54, 55, 56, 57])]
+        [SeqInput(token_ids=tokens[: n + 1], start=0, block_table=list(range(50, 58)))]
     )
-    for t in range(30):
+    for t in range(n + 1):
         one = runner.forward(
             [SeqInput(token_ids=[tokens[t]], start=t, block_table=list(range(60, 68)))]
         )
@@ -161,6 +162,7 @@ def check_engine() -> None:
     """The engine on the mode's packed step (eager, look-ahead on): every request gets the
     same bits alone and beside others in another order."""
     import asyncio
+    from dataclasses import replace
 
     from fakes import tiny_qwen3
     from test_batch_invariance import PROMPTS, SAMPLINGS
@@ -175,9 +177,13 @@ def check_engine() -> None:
         e.runner._use_invariant_kernels()
         return e
 
+    # fewer tokens than test_batch_invariance's (each step is slow under the interpreter),
+    # still ending at different steps: in three slots, prefills join other rows' decodes
+    samplings = [replace(s, max_tokens=5 + 3 * (i % 3)) for i, s in enumerate(SAMPLINGS)]
+
     async def together(e, order):
         outs = await asyncio.gather(
-            *(e.generate(PROMPTS[i], request_id=str(i), sampling=SAMPLINGS[i]) for i in order)
+            *(e.generate(PROMPTS[i], request_id=str(i), sampling=samplings[i]) for i in order)
         )
         await e.close()
         return dict(zip(order, outs))

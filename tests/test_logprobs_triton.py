@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fakes import run_interpreted
+from interpreted import run_interpreted
 
 from torchtitan_rl.losses.logprobs import token_logprobs
 

@@ -10,7 +10,7 @@ probability, never one at -inf."""
 from __future__ import annotations
 
 import torch
-from fakes import run_interpreted
+from interpreted import run_interpreted
 
 
 def check_interpreted() -> None:
