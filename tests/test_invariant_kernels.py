@@ -11,10 +11,11 @@ The same checks on a GPU: tests/test_batch_invariance_gpu.py."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import torch
-from interpreted import run_interpreted
+from interpreted import in_two_processes, run_interpreted
 
 
 def _emulate_gpu_bf16() -> None:
@@ -116,7 +117,8 @@ def interpreted_invariant_runner(model, **kwargs):
 def check_runner() -> None:
     """The mode's packed step: a row's logits are the same bits beside any rows, a prompt
     prefilled in one step gives the bits of feeding it token by token, and the logits are
-    those of a float64 runner up to fp32 rounding."""
+    those of a float64 runner up to fp32 rounding. The two checks after the shared prefill
+    run in two processes at once."""
     from fakes import tiny_qwen3
     from test_model_runner import VOCAB, make_runner
 
@@ -135,23 +137,31 @@ def check_runner() -> None:
     row = SeqInput(token_ids=[tokens[n]], start=n, block_table=table)
     alone = runner.forward([row]).clone()
     torch.testing.assert_close(alone, exact.forward([row]), atol=1e-4, rtol=1e-4)
-    for others in (1, 16, 40):
-        beside = [
-            SeqInput(token_ids=[tokens[i % 64]], start=40 + i % 20, block_table=list(range(16, 32)))
-            for i in range(others - 1)
-        ]
-        beside.append(SeqInput(token_ids=tokens[:9], start=0, block_table=list(range(40, 48))))
-        mixed = runner.forward([*beside[: others // 2], row, *beside[others // 2 :]])
-        assert torch.equal(mixed[others // 2], alone[0]), others
-    # the same n + 1 tokens in fresh blocks: one prefill step, then token by token
-    at_once = runner.forward(
-        [SeqInput(token_ids=tokens[: n + 1], start=0, block_table=list(range(50, 58)))]
-    )
-    for t in range(n + 1):
-        one = runner.forward(
-            [SeqInput(token_ids=[tokens[t]], start=t, block_table=list(range(60, 68)))]
+
+    def beside_others():
+        for others in (1, 16, 40):
+            beside = [
+                SeqInput(
+                    token_ids=[tokens[i % 64]], start=40 + i % 20, block_table=list(range(16, 32))
+                )
+                for i in range(others - 1)
+            ]
+            beside.append(SeqInput(token_ids=tokens[:9], start=0, block_table=list(range(40, 48))))
+            mixed = runner.forward([*beside[: others // 2], row, *beside[others // 2 :]])
+            assert torch.equal(mixed[others // 2], alone[0]), others
+
+    def prefill_and_token_by_token():
+        # the same n + 1 tokens in fresh blocks: one prefill step, then token by token
+        at_once = runner.forward(
+            [SeqInput(token_ids=tokens[: n + 1], start=0, block_table=list(range(50, 58)))]
         )
-    assert torch.equal(at_once, alone) and torch.equal(one, alone)
+        for t in range(n + 1):
+            one = runner.forward(
+                [SeqInput(token_ids=[tokens[t]], start=t, block_table=list(range(60, 68)))]
+            )
+        assert torch.equal(at_once, alone) and torch.equal(one, alone)
+
+    in_two_processes(beside_others, prefill_and_token_by_token)
 
 
 def test_interpreted_invariant_runner_gives_each_row_its_own_bits():
@@ -160,8 +170,11 @@ def test_interpreted_invariant_runner_gives_each_row_its_own_bits():
 
 def check_engine() -> None:
     """The engine on the mode's packed step (eager, look-ahead on): every request gets the
-    same bits alone and beside others in another order."""
+    same bits alone and beside others in another order. The two engines run in two
+    processes at once."""
     import asyncio
+    import pickle
+    import tempfile
     from dataclasses import replace
 
     from fakes import tiny_qwen3
@@ -186,14 +199,25 @@ def check_engine() -> None:
             *(e.generate(PROMPTS[i], request_id=str(i), sampling=samplings[i]) for i in order)
         )
         await e.close()
-        return dict(zip(order, outs))
+        return {i: (out.token_ids_N, out.logprobs_N) for i, out in zip(order, outs)}
 
     order = list(range(len(PROMPTS)))
-    ref = asyncio.run(together(engine(1), order))  # one at a time
-    got = asyncio.run(together(engine(3), [5, 0, 7, 2, 6, 1, 4, 3]))  # three slots, shuffled
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_path, got_path = Path(tmp) / "ref.pkl", Path(tmp) / "got.pkl"
+
+        def run(path: Path, max_num_seqs: int, order: list[int]):
+            return lambda: path.write_bytes(
+                pickle.dumps(asyncio.run(together(engine(max_num_seqs), order)))
+            )
+
+        in_two_processes(
+            run(ref_path, 1, order),  # one at a time
+            run(got_path, 3, [5, 0, 7, 2, 6, 1, 4, 3]),  # three slots, shuffled
+        )
+        ref, got = (pickle.loads(p.read_bytes()) for p in (ref_path, got_path))
     for i in order:
-        assert np.array_equal(got[i].token_ids_N, ref[i].token_ids_N), i
-        assert np.array_equal(got[i].logprobs_N, ref[i].logprobs_N), i
+        assert np.array_equal(got[i][0], ref[i][0]), i
+        assert np.array_equal(got[i][1], ref[i][1]), i
 
 
 def test_interpreted_invariant_engine_gives_each_request_its_bits():
