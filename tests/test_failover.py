@@ -213,9 +213,21 @@ def _run(config, kill_at_step=None):
     return history, controller.fleet, pid
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The run no replica dies in, played on the controller's loop: the reference of both
+    cases (2 rollout processes play the same run bit for bit: test_rollout_processes.py)."""
+    from test_resume import tiny_config
+
+    tmp = tmp_path_factory.mktemp("failover")
+    return _run(tiny_config(tmp, "straight", *FAILOVER, "--rollout.processes=0"))[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [0, 2])
-def test_a_replica_killed_mid_step_is_survived_and_the_run_replays_bit_for_bit(tmp_path, processes):
+def test_a_replica_killed_mid_step_is_survived_and_the_run_replays_bit_for_bit(
+    tmp_path, processes, straight
+):
     """Also with the rollouts played in 2 rollout processes, which call the replicas
     themselves and are told of the death and the rejoin by the fleet."""
     from test_resume import tiny_config
@@ -223,7 +235,6 @@ def test_a_replica_killed_mid_step_is_survived_and_the_run_replays_bit_for_bit(t
     from torchtitan_rl.controller.processes import started
 
     flags = (*FAILOVER, f"--rollout.processes={processes}")
-    straight, _, _ = _run(tiny_config(tmp_path, "straight", *flags))
     killed, fleet, pid = _run(tiny_config(tmp_path, "killed", *flags), kill_at_step=2)
     assert sum(killed["generator/requests_rerouted"].values()) >= 1
     assert min(killed["generator/replicas_alive"].values()) == 1.0  # down after step 2
