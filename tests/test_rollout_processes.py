@@ -71,12 +71,21 @@ def _run(config):
     return ran
 
 
-@pytest.mark.slow
-def test_groups_played_in_two_processes_train_the_same_run_bit_for_bit(tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same run played on the controller's loop and in 2 rollout processes, both with
+    env.workers=1 (each process's env work in its own worker pool)."""
     from test_resume import tiny_config
 
-    loop = _run(tiny_config(tmp_path, "loop", *SHAPE))
-    procs = _run(tiny_config(tmp_path, "procs", *SHAPE, "--rollout.processes=2"))
+    tmp = tmp_path_factory.mktemp("rollout_processes")
+    loop = _run(tiny_config(tmp, "loop", *SHAPE, "--env.workers=1"))
+    procs = _run(tiny_config(tmp, "procs", *SHAPE, "--env.workers=1", "--rollout.processes=2"))
+    return loop, procs
+
+
+@pytest.mark.slow
+def test_groups_played_in_two_processes_train_the_same_run_bit_for_bit(runs):
+    loop, procs = runs
     on_loop, in_procs, counters = loop["scalars"], procs["scalars"], procs["counters"]
     assert loop["counters"] == []
     # each process played its share and sent turns to both replicas
@@ -101,20 +110,14 @@ def test_groups_played_in_two_processes_train_the_same_run_bit_for_bit(tmp_path)
 
 
 @pytest.mark.slow
-def test_with_rollout_processes_the_controller_starts_no_env_workers_of_its_own(tmp_path):
+def test_with_rollout_processes_the_controller_starts_no_env_workers_of_its_own(runs):
     """Validation played on the controller started its env.workers pool beside each rollout
     process's: (K + 1) x N worker processes, and env work on the controller's loop."""
-    from test_resume import tiny_config
-
-    ran = _run(
-        tiny_config(
-            tmp_path, "procs", *SHAPE, "--rollout.processes=2", "--env.workers=1",
-            "--training.steps=1", "--warm_start.steps=0",
-        )
-    )  # fmt: skip
-    assert sorted(ran["scalars"]["validation_reward/mean"]) == [0, 1]
-    assert ran["env_workers"] == []
-    assert ran["router_calls"] == [0, 0]  # the controller's router: no validation call
+    loop, procs = runs
+    assert len(loop["env_workers"]) == 1  # seen where the controller plays (validation too)
+    assert sorted(procs["scalars"]["validation_reward/mean"]) == [0, 3]
+    assert procs["env_workers"] == []
+    assert procs["router_calls"] == [0, 0]  # the controller's router: no validation call
 
 
 def test_the_rollout_processes_routing_is_reported_with_the_routers(tmp_path):
