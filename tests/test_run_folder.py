@@ -31,6 +31,11 @@ FAST = (
 )
 
 
+ONE_TRAINER = ("--parallelism.trainer_procs=1",)
+"""For the runs whose checks need no second trainer rank (a process fewer to start): the
+SIGTERM test keeps the default 2, every process of a sharded trainer must close."""
+
+
 def _command(tmp_path, *overrides):
     return [
         sys.executable, "-m", "torchtitan_rl.train", f"--job.output_dir={tmp_path}",
@@ -180,11 +185,11 @@ def _flip_byte(path: Path) -> None:
 # ---- through the command line ----------------------------------------------------------
 @pytest.mark.slow
 def test_a_second_run_into_a_live_folder_stops_and_the_first_keeps_its_checkpoints(tmp_path):
-    first = _start(tmp_path, "--training.steps=6")
+    first = _start(tmp_path, "--training.steps=6", *ONE_TRAINER)
     _wait_for(tmp_path / "run" / "run.lock", first)
     second = subprocess.run(
-        _command(tmp_path, "--training.steps=6"), cwd=ROOT, capture_output=True, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120,
+        _command(tmp_path, "--training.steps=6", *ONE_TRAINER), cwd=ROOT,
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120,
     )  # fmt: skip
     assert second.returncode == 1, second.stderr
     lines = [line for line in second.stderr.splitlines() if line.strip()]
@@ -203,8 +208,8 @@ def test_a_second_run_into_a_live_folder_stops_and_the_first_keeps_its_checkpoin
     shard = next((store.root / "step_6" / "trainer").glob("*.distcp"))
     _truncate(shard)
     more = subprocess.run(
-        _command(tmp_path, "--training.steps=8"), cwd=ROOT, capture_output=True, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600,
+        _command(tmp_path, "--training.steps=8", *ONE_TRAINER), cwd=ROOT,
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600,
     )  # fmt: skip
     assert more.returncode == 0, more.stderr
     assert f"checkpoint damaged: {shard} has " in more.stderr
@@ -258,7 +263,7 @@ def test_sigterm_exits_143_with_one_line_when_the_mesh_shuts_down_slowly(tmp_pat
     """Monarch's exit hook shuts the client mesh down once more after the run closed; when
     that times out, the exit code and the last line are still the run's own."""
     command = [sys.executable, "-c", SLOW_MESH_SHUTDOWN, *_command(tmp_path)[3:]]
-    command.append("--training.steps=40")
+    command += ["--training.steps=40", *ONE_TRAINER]
     proc = subprocess.Popen(
         command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
