@@ -61,10 +61,9 @@ def _run(config):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("async")
     straight = _run(tiny_config(tmp, "straight", *ASYNC))
-    again = _run(tiny_config(tmp, "again", *ASYNC))
     first = _run(tiny_config(tmp, "resumed", *ASYNC, "--training.stop_after=3"))
     second = _run(tiny_config(tmp, "resumed", *ASYNC))
-    return tmp, straight, again, first, second
+    return tmp, straight, first, second
 
 
 @pytest.mark.slow
@@ -90,17 +89,24 @@ def test_every_trained_token_is_at_most_one_version_old_and_the_step_says_so(run
 @pytest.mark.slow
 def test_a_seeded_pipelined_run_replays_bit_for_bit(runs):
     """Every tag but the clocks, the log-prob gap and the losses included: the generator
-    gives each request the same bits whatever shares its steps."""
-    _, (straight, _), (again, _), *_ = runs
+    gives each request the same bits whatever shares its steps. The replay is the run
+    stopped after step 3 and resumed (its steps 4-6 batched anew by a fresh generator),
+    whose prefix cache starts empty: its hits are compared up to the stop."""
+    _, (straight, _), (first, _), (second, _) = runs
     tags = [t for t in straight if not any(c in t for c in CLOCK_TAGS)]
     assert {"loss/mean", "trainer/grad_norm", "trainer/logprob_diff/max"} <= set(tags)
     for tag in tags:
-        assert straight[tag] == again[tag], tag
+        replayed = {**first.get(tag, {}), **second.get(tag, {})}
+        if tag.startswith("generator/prefix_hit_tokens/"):
+            straight_to_3 = {s: v for s, v in straight[tag].items() if s <= 3}
+            assert straight_to_3 == first[tag] and sorted(replayed) == sorted(straight[tag]), tag
+        else:
+            assert straight[tag] == replayed, tag
 
 
 @pytest.mark.slow
 def test_stop_and_resume_trains_the_same_prompts_once_with_the_same_numbers(runs):
-    tmp, (straight, trained), _, (first, before), (second, after) = runs
+    tmp, (straight, trained), (first, before), (second, after) = runs
     assert sorted(before) == [1, 2, 3] and sorted(after) == [4, 5, 6]
     resumed = {**before, **after}
     prompts = [i for _, _, indices in resumed.values() for i in indices]
