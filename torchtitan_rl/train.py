@@ -217,12 +217,9 @@ def leave(code: int) -> None:
     that takes longer than its second (a loaded machine) it prints a `TimeoutError`
     traceback and aborts the process (exit -6) after our last line was printed. Every file
     the run writes is closed by `Controller.close` before `main` returns."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (BrokenPipeError, ValueError):  # a reader that left; a stream already closed
-            pass
-    logging.shutdown()
+    from torchtitan_rl.actors.process_exit import flush_output
+
+    flush_output()
     os._exit(code)
 
 

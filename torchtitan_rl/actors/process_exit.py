@@ -44,13 +44,18 @@ def _leaving_code() -> int:
     return _exit_code[0] if isinstance(_exit_code[0], int) else 1  # as the interpreter does
 
 
-def _exit_now() -> None:
+def flush_output() -> None:
+    """The standard streams and every logging handler, before an `os._exit`."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (BrokenPipeError, ValueError):  # a reader that left; a stream already closed
             pass
     logging.shutdown()
+
+
+def _exit_now() -> None:
+    flush_output()
     if "multiprocessing" in sys.modules:
         children = sys.modules["multiprocessing"].active_children()
         for child in children:
