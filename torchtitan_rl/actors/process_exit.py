@@ -3,7 +3,7 @@
 When its proc mesh stops, Monarch's loop in the worker returns and the interpreter
 finalizes: Monarch's runtime shutdown (up to 1 s), then the teardown of torch's and
 torchtitan's modules. On the 2-core VM that made `ProcMesh.stop()` of a worker that imported
-the generator take 1.9-2.3 s against 0.54 s, and a two-step Monarch run 6-10 s longer (docs/
+the generator take 4.18 s against 0.62 s (`scripts/bench_worker_stop.py`, docs/
 benchmarks.md, "Stopping worker processes"), for work nobody needs: a worker's files are
 closed by its actor's endpoints before the stop. `exit_at_stop` registers an exit hook that
 runs before every hook registered earlier (exit hooks run last-registered first: Monarch's
