@@ -202,12 +202,12 @@ def tiny_core(*, device: str = "cpu", seed: int = 0, loss=None, correction=None,
     )
 
 
-def tiny_qwen3(seed: int = 0, vocab: int = 97) -> Qwen3Model:
-    """A 2-layer random Qwen3 for engine and runner tests (fp32, untied)."""
+def tiny_qwen3(seed: int = 0, vocab: int = 97, n_layers: int = 2) -> Qwen3Model:
+    """A 2-layer (or `n_layers`) random Qwen3 for engine and runner tests (fp32, untied)."""
     torch.manual_seed(seed)
     args = Qwen3ModelArgs(
         dim=64,
-        n_layers=2,
+        n_layers=n_layers,
         n_heads=4,
         n_kv_heads=2,
         head_dim=16,

@@ -10,7 +10,7 @@ probability, never one at -inf."""
 from __future__ import annotations
 
 import torch
-from interpreted import run_interpreted
+from interpreted import in_two_processes, run_interpreted
 
 
 def check_interpreted() -> None:
@@ -21,9 +21,11 @@ def check_interpreted() -> None:
 
     kernel.BLOCK, kernel.CHUNK = 32, 64
     gen = torch.Generator().manual_seed(0)
-    for V in (7, 129, 300):
-        N = 24
-        logits_NV = 3 * torch.randn(N, V, generator=gen)
+    N = 24
+    drawn = {V: 3 * torch.randn(N, V, generator=gen) for V in (7, 129, 300)}
+
+    def check(V: int) -> None:
+        logits_NV = drawn[V]
         logits_NV[1, : V // 2] = float("-inf")  # half the vocabulary impossible
         logits_NV[2] = 0.0  # ties everywhere
         logits_NV[3, -1] = 1e4  # one dominant id, in the last chunk
@@ -52,6 +54,9 @@ def check_interpreted() -> None:
         token_4, logprob_4 = kernel.sample_full_vocab(rows, torch.ones(4), edge_N)
         assert token_4.tolist() == [V // 2, V - 1, V - 1, V // 2 - 1], token_4
         assert bool(torch.isfinite(logprob_4).all())
+
+    # in two processes at once: the 300 ids take about as long as the 7 and the 129
+    in_two_processes(lambda: [check(V) for V in (7, 129)], lambda: check(300))
 
 
 def test_interpreted_fused_sampler_draws_the_reference_tokens():
