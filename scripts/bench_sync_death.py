@@ -72,15 +72,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--smoke", action="store_true", help="one repeat, 2 RL steps")
+    parser.add_argument("--smoke", action="store_true", help="one repeat of our row, 2 RL steps")
     args = parser.parse_args()
     if args.smoke:
         args.repeats, args.steps = 1, 2
     logging.basicConfig(level=logging.ERROR, format="%(name)s %(message)s")
     work = Path(tempfile.mkdtemp(prefix="sync_death_"))
     runs = []
+    # the smoke leaves out the row that waits ~10 s for Monarch's report
+    modes = (False,) if args.smoke else (False, True)
     for k in range(args.repeats):
-        for monarch_only in (False, True):
+        for monarch_only in modes:
             runs.append(run(work, f"r{k}_{int(monarch_only)}", args.steps, monarch_only))
             print(json.dumps(runs[-1]), flush=True)
     print("| row | sync with the death, s (median) | each | errors |")
