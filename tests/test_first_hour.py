@@ -282,6 +282,9 @@ def test_the_dashboard_charts_validation_rubric_async_and_warm_start_apart():
         "learning/rubric functions (sampled rollouts)"
     ]
     assert charted("rollout_reward/sort_score/std") == []
+    # the README's curves to read first are all charted
+    assert charted("rollout_reward/zero_std_frac") == ["learning/groups that teach nothing (share)"]
+    assert charted("rollout/status/error") == ["rollouts/status"]
     for tag in ("rollout/staleness/mean", "rollout/staleness/max", "perf/trainer_wait_seconds",
                 "perf/generator_wait_seconds"):  # fmt: skip
         assert len(charted(tag)) == 1, tag

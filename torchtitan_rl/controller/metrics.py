@@ -29,6 +29,7 @@ DASHBOARD = {
         "reward (sampled rollouts)": ["Multiline", ["rollout_reward/mean"]],
         "validation (greedy, held-out)": ["Multiline", ["validation_reward/.*"]],
         "rubric functions (sampled rollouts)": ["Multiline", [r"rollout_reward/[^/]+/mean"]],
+        "groups that teach nothing (share)": ["Multiline", ["rollout_reward/zero_std_frac"]],
         "loss": ["Multiline", ["loss/mean", "loss/policy"]],
         "kl and entropy": ["Multiline", ["loss/kl", "loss/entropy"]],
         "grad norm": ["Multiline", ["trainer/grad_norm"]],
