@@ -10,6 +10,8 @@ from safetensors.torch import save_file
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from torchtitan_rl.models.qwen3 import (
+    DenseMaskAttention,
+    FlexAttention,
     ModelConfig,
     build_model,
     document_attention_mask,
@@ -62,6 +64,27 @@ def test_padding_does_not_change_real_tokens():
         lp, _ = model(tokens, positions, docs, torch.arange(6), targets)
         ref = _full_logprobs(model, tokens[:, :6])[0].gather(-1, targets[:, None])[:, 0]
     torch.testing.assert_close(lp.double(), ref, atol=2e-5, rtol=0)
+
+
+def test_flex_attention_compiles_without_autotuning_and_matches_a_float64_reference():
+    """The GPU model's FlexAttention (`use_flex_attention`) is compiled with Inductor's
+    defaults, not torchtitan's max-autotune (48 s more first step on an H200, the same steady
+    step: scripts/bench_flex_compile.py), and computes masked attention: packed documents and
+    padding against float64 SDPA with the dense document mask (run here by Inductor's CPU
+    backend, which has no float64)."""
+    model = _model(flavor="tiny", max_seq_len=256)
+    model.use_flex_attention()
+    attentions = [layer.attention.inner_attention for layer in model.layers.values()]
+    assert all(type(a) is FlexAttention for a in attentions)
+    options = FlexAttention._compiled_defaults.get_compiler_config()
+    assert not options["max_autotune"] and not options["coordinate_descent_tuning"]
+    torch.manual_seed(0)
+    docs_BS = torch.tensor([[0] * 100 + [1] * 120 + [-1] * 36, [0] * 256])
+    q, k, v = (torch.randn(2, 4, 256, 16) for _ in range(3))
+    out = attentions[0](q, k, v, block_mask=document_block_mask(docs_BS))
+    dense = document_attention_mask(docs_BS)
+    ref = DenseMaskAttention()(q.double(), k.double(), v.double(), block_mask=dense)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("trees", [False, True])

@@ -88,9 +88,10 @@ def _worker(rank, port, device_type, cases, queue):
         if device_type == "cuda":
             torch.cuda.set_device(device)
             from torch.nn.attention.flex_attention import flex_attention
-            from torchtitan.models.attention import FlexAttentionWrapper
 
-            FlexAttentionWrapper._compiled_flex_attn = flex_attention  # eager: no autotuning
+            from torchtitan_rl.models.qwen3 import FlexAttention
+
+            FlexAttention._compiled_defaults = flex_attention  # eager: no compile
         batch = _batch()
         results = {}
         for flavor, tied, dtype, compile in cases:

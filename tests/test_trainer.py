@@ -156,10 +156,11 @@ def test_compiled_training_matches_eager_in_bf16_on_gpu(monkeypatch):
     the eager losses and gradient norms within bf16 tolerance over two steps, and the
     second batch (other documents, same [R, S]) reuses the compiled graph."""
     from torch.nn.attention.flex_attention import flex_attention
-    from torchtitan.models.attention import FlexAttentionWrapper
 
-    # eager FlexAttention without autotuning (minutes saved); the compiled blocks trace it
-    monkeypatch.setattr(FlexAttentionWrapper, "_compiled_flex_attn", flex_attention)
+    from torchtitan_rl.models.qwen3 import FlexAttention
+
+    # eager FlexAttention (no compile of its own); the compiled blocks trace it
+    monkeypatch.setattr(FlexAttention, "_compiled_defaults", flex_attention)
     torch.cuda.set_device(0)
     batches = [_batch(_episodes(np.random.default_rng(s), n=12)) for s in (0, 1)]
     results = {}

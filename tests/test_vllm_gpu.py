@@ -21,14 +21,13 @@ pytest.importorskip("vllm")
 
 from driver import drive  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
-from torchtitan.models.attention import FlexAttentionWrapper  # noqa: E402
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter  # noqa: E402
 
 from torchtitan_rl.config import load_config  # noqa: E402
 from torchtitan_rl.generation.interface import EngineConfig  # noqa: E402
 from torchtitan_rl.generation.vllm_engine import start_vllm_engine  # noqa: E402
 from torchtitan_rl.models.hf_export import export_hf  # noqa: E402
-from torchtitan_rl.models.qwen3 import ModelConfig, build_model  # noqa: E402
+from torchtitan_rl.models.qwen3 import FlexAttention, ModelConfig, build_model  # noqa: E402
 from torchtitan_rl.types import FinishReason, SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
@@ -60,8 +59,8 @@ def policy(tmp_path_factory):
 
 @pytest.fixture
 def eager_flex(monkeypatch):
-    """The trainer's flex attention without autotuning (minutes saved), as test_trainer does."""
-    monkeypatch.setattr(FlexAttentionWrapper, "_compiled_flex_attn", flex_attention)
+    """The trainer's flex attention eager (no compile), as test_trainer does."""
+    monkeypatch.setattr(FlexAttention, "_compiled_defaults", flex_attention)
 
 
 def _engine(model, folder, dtype: str):
