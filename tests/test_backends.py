@@ -139,6 +139,27 @@ def test_cpu_block_sizes_follow_cpu_block_multiple(monkeypatch):
     assert load_config(TINY, ["--parallelism.device=cpu", "--generator.block_size=128"])
 
 
+def test_served_adapters_on_a_gpu_follow_gpu_adapter_dtypes(monkeypatch):
+    """vLLM's GPU LoRA kernels take 16-bit inputs only (float32 failed inside vLLM 0.26 on
+    an H200): served adapters in float32 on a GPU are refused in one line; on CPU, merged,
+    or for a backend that serves none (the native engine merges), nothing is refused."""
+    served = ["--lora.rank=8", '--lora.vllm_sync="adapters"', '--generator.dtype="float32"']
+    _set(monkeypatch, "native", gpu_adapter_dtypes=("bfloat16",))
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["--parallelism.device=cuda", *served])
+    assert str(e.value) == (
+        'lora.vllm_sync = "adapters" with generator.dtype = "float32": the native engine serves '
+        'adapters on a GPU in bfloat16 only; use generator.dtype = "bfloat16" or '
+        'lora.vllm_sync = "merged"'
+    )
+    load_config(TINY, ["--parallelism.device=cuda", *served[:2], '--generator.dtype="bfloat16"'])
+    load_config(TINY, ["--parallelism.device=cpu", *served])
+    load_config(TINY, ["--parallelism.device=cuda", *served[::2], '--lora.vllm_sync="merged"'])
+    _set(monkeypatch, "native", gpu_adapter_dtypes=())
+    load_config(TINY, ["--parallelism.device=cuda", *served])
+    assert traits("vllm").gpu_adapter_dtypes == ("bfloat16",)
+
+
 def test_decode_attention_follows_own_decode_attention(monkeypatch):
     EngineConfig(decode_attention="gather").validate()
     _set(monkeypatch, "native", own_decode_attention=False)

@@ -13,6 +13,7 @@ import torch
 
 from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.generation.vllm_engine import VllmEngine
+from torchtitan_rl.generation.vllm_lora import names_in_lora_layers
 from torchtitan_rl.generation.vllm_support import (
     check_vllm_version,
     detect_features,
@@ -107,6 +108,38 @@ def test_features_follow_what_the_engine_object_has():
     assert not detect_features(Fake026()).weight_versions
     assert detect_features(Fake032()).weight_versions
     assert "own step bookkeeping" in detect_features(Fake026()).describe()
+    reload_032 = SimpleNamespace(get_parameter_for_reload=lambda model, name: None)
+    assert not detect_features(Fake026(), None).reload_finds_lora_layers
+    assert detect_features(Fake032(), reload_032).reload_finds_lora_layers
+
+
+def test_names_in_lora_layers_reach_the_wrapped_layers_base_weights():
+    """vLLM 0.26 built with LoRA, as on an H200: q/k/v fused into a wrapped qkv_proj, o_proj
+    wrapped, the norms and embeddings not. A name reaches `<layer>.base_layer.<param>` where
+    the layer (or the fused layer it is part of) is wrapped, and stays as it is elsewhere."""
+
+    def linear():
+        return torch.nn.Linear(2, 2, bias=False)
+
+    def wrapped():
+        return torch.nn.ModuleDict({"base_layer": linear()})
+
+    attention = torch.nn.ModuleDict({"qkv_proj": wrapped(), "o_proj": wrapped()})
+    attention["q_norm"] = torch.nn.LayerNorm(2)
+    layer = torch.nn.ModuleDict({"self_attn": attention, "mlp": torch.nn.ModuleDict()})
+    layer["mlp"]["down_proj"] = linear()  # a layer LoRA does not serve
+    model = torch.nn.Module()
+    model.model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([layer])})
+    model.model["embed_tokens"] = torch.nn.Embedding(4, 2)
+    model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    rename = names_in_lora_layers(model)
+    a = "model.layers.0.self_attn."
+    assert rename(a + "q_proj.weight") == a + "q_proj.base_layer.weight"
+    assert rename(a + "v_proj.weight") == a + "v_proj.base_layer.weight"
+    assert rename(a + "o_proj.weight") == a + "o_proj.base_layer.weight"
+    for same in (a + "q_norm.weight", "model.layers.0.mlp.down_proj.weight",
+                 "model.embed_tokens.weight"):  # fmt: skip
+        assert rename(same) == same
 
 
 def test_weight_path_names_host_or_device_tensors():

@@ -142,6 +142,14 @@ class Config:
             )
         device = self.parallelism.device
         on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+        dtype = self.generator.dtype
+        served = self.lora.enabled and self.lora.vllm_sync == "adapters" and own.gpu_adapter_dtypes
+        if served and not on_cpu and dtype not in own.gpu_adapter_dtypes:
+            raise ConfigError(
+                f'lora.vllm_sync = "adapters" with generator.dtype = "{dtype}": {own.label} '
+                f"serves adapters on a GPU in {' or '.join(own.gpu_adapter_dtypes)} only; use "
+                f'generator.dtype = "{own.gpu_adapter_dtypes[0]}" or lora.vllm_sync = "merged"'
+            )
         multiple = own.cpu_block_multiple
         if on_cpu and self.generator.block_size % multiple:  # 0: resolved to a multiple
             raise ConfigError(

@@ -51,6 +51,9 @@ class BackendTraits:
     """The import the backend needs, checked before any process starts; None: none."""
     install_hint: str
     """Where the install of `package` is described, for the "not installed" line."""
+    gpu_adapter_dtypes: tuple[str, ...] = ()
+    """The generator.dtype values with which the backend serves [lora] adapters on a GPU
+    (lora.vllm_sync = "adapters"); (): it serves none (it merges them, whatever the key)."""
 
     def build(self, model, engine, vocab_size: int, device, hf_folder: str, lora=None):
         """The `GenerationEngine` for `engine` (an `EngineConfig`; `lora`: the run's
@@ -96,6 +99,9 @@ BACKENDS: dict[Backend, BackendTraits] = {
         cpu_block_multiple=32,
         package="vllm",
         install_hint='see the README ("vLLM backend")',
+        # its GPU LoRA kernels take 16-bit activations only ("assert inputs.dtype in
+        # [torch.float16, torch.bfloat16]"); its CPU ones also float32
+        gpu_adapter_dtypes=("bfloat16",),
     ),
 }
 """Every `Backend` value's traits (tests/test_backends.py checks none is missing)."""

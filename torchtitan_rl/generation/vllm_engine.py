@@ -59,6 +59,7 @@ from torchtitan_rl.generation.vllm_lora import (
     Adapter,
     AdapterSet,
     lora_engine_args,
+    names_in_lora_layers,
     split_adapters,
 )
 from torchtitan_rl.generation.vllm_support import (
@@ -217,7 +218,11 @@ def start_vllm_engine(
     quiet_vllm_logs()
     with _unscannable_modules_hidden():
         llm = LLMEngine.from_engine_args(args)
-    features = detect_features(llm)
+    try:  # 0.32: its in-place reload finds the layers wrapped for LoRA itself
+        from vllm.model_executor.model_loader.reload import inplace as reload_module
+    except ImportError:
+        reload_module = None
+    features = detect_features(llm, reload_module)
     logger.info("vLLM %s on %s: %s", vllm.__version__, device, features.describe())
     adapters = None
     if lora is not None:
@@ -286,6 +291,8 @@ class VllmEngine(EngineFront):
         self._cache_stale = False
         self._next_id = 0
         self._weight_path = ""
+        self._lora_names: Callable[[str], str] | None = None
+        """With adapters: Hugging Face name -> the reload's (`names_in_lora_layers`)."""
         if features.weight_versions:
             llm.set_weight_version("0")
 
@@ -390,6 +397,11 @@ class VllmEngine(EngineFront):
             logger.info("vLLM %s", path)
             self._weight_path = path
         hf_state = self._adapter.to_hf(weights)
+        if self._adapters is not None and not self._features.reload_finds_lora_layers:
+            if self._lora_names is None:
+                (model,) = self._llm.collective_rpc("get_model")
+                self._lora_names = names_in_lora_layers(model)
+            hf_state = {self._lora_names(k): v for k, v in hf_state.items()}
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_state.items()})
         if self._features.weight_versions:
             self._llm.set_weight_version(str(version))

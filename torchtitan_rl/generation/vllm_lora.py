@@ -31,6 +31,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +121,32 @@ def split_adapters(state) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tens
         is_adapter = name == SCALE or name.endswith((".lora_A", ".lora_B"))
         (adapters if is_adapter else weights)[name] = state[name]
     return adapters, weights
+
+
+def names_in_lora_layers(model) -> Callable[[str], str]:
+    """Hugging Face weight name -> the name a reload reaches it by in `model` (vLLM's model
+    built with LoRA): vLLM wraps each layer LoRA serves, and the wrapped layer's own weight
+    is `<layer>.base_layer.<param>`. vLLM 0.32 resolves that itself; 0.26's loader does not
+    ("no module or parameter named '...qkv_proj.weight'"), so the names point there. A layer
+    fused from several (q/k/v into qkv_proj: the model's `packed_modules_mapping`) keeps its
+    own name before `.base_layer.`: the loader's stacking maps the prefix as before."""
+    wrapped = {
+        n.split(".base_layer.")[0] for n, _ in model.named_parameters() if ".base_layer." in n
+    }
+    fused = {
+        part: whole
+        for whole, parts in getattr(model, "packed_modules_mapping", {}).items()
+        for part in parts
+    }
+
+    def rename(name: str) -> str:
+        layer, _, param = name.rpartition(".")
+        parent, _, leaf = layer.rpartition(".")
+        if f"{parent}.{fused.get(leaf, leaf)}" in wrapped:
+            return f"{layer}.base_layer.{param}"
+        return name
+
+    return rename
 
 
 @dataclass(frozen=True, slots=True)
