@@ -75,7 +75,8 @@ class LoRAConfig:
     """How a generator.backend = "vllm" generator gets each version: "merged" (the merged
     full weights, reloaded in place: the same kernels as without LoRA) | "adapters" (vLLM
     built with LoRA; the base once, then each version's adapters alone, served as a new
-    LoRA adapter per version; docs/design.md, "LoRA"). The native engine always takes
+    LoRA adapter per version; on a GPU with generator.dtype = "bfloat16" only: vLLM's GPU
+    LoRA kernels take 16-bit inputs; docs/design.md, "LoRA"). The native engine always takes
     adapters and merges them itself."""
     generator_base: GeneratorBase = "auto"
     """Where a native generator keeps the frozen base of the adapted weights, which it
