@@ -124,6 +124,22 @@ def test_config_never_imports_the_controller():
     assert "torchtitan_rl.config.job" in graph  # the job-wide sections live in config/
 
 
+def test_the_config_and_the_rollout_process_load_without_torchtitan():
+    """torchtitan's package takes 7-8 s to import on a 2-core VM (its `__init__` pulls in
+    datasets, the validator and Inductor): loading a config (a user's mistake is one line
+    after it) and starting a rollout process (it unpickles the config) do without it."""
+    import subprocess
+    import sys
+
+    check = (
+        "import sys, torchtitan_rl.config, torchtitan_rl.actors.rollout; "
+        "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('torchtitan')}))"
+    )
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                         cwd=PACKAGE.parent, timeout=120)  # fmt: skip
+    assert run.stdout.strip() == "['torchtitan_rl']", run.stdout + run.stderr[-2000:]
+
+
 def test_the_loop_holds_the_loop_only():
     """Processes come from the launcher (the loop never asks for a host), the warm start and
     resume live in modules of their own, and the step report is built in one place."""

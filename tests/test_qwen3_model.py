@@ -66,6 +66,17 @@ def test_padding_does_not_change_real_tokens():
     torch.testing.assert_close(lp.double(), ref, atol=2e-5, rtol=0)
 
 
+def test_the_config_names_torchtitans_dense_qwen3_flavors():
+    """models/model_config.py lists the flavors without importing torchtitan; they are its."""
+    from torchtitan.models.qwen3 import qwen3_args
+
+    from torchtitan_rl.models.model_config import BUILTIN_FLAVORS, QWEN3_FLAVORS
+    from torchtitan_rl.models.qwen3 import BUILTIN_ARGS
+
+    assert QWEN3_FLAVORS == tuple(k for k in qwen3_args if "moe" not in k and "A" not in k)
+    assert BUILTIN_FLAVORS == tuple(BUILTIN_ARGS)
+
+
 def test_flex_attention_compiles_without_autotuning_and_matches_a_float64_reference():
     """The GPU model's FlexAttention (`use_flex_attention`) is compiled with Inductor's
     defaults, not torchtitan's max-autotune (48 s more first step on an H200, the same steady

@@ -34,7 +34,7 @@ from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.losses.corrections import CorrectionConfig, check_objective
 from torchtitan_rl.losses.policy_loss import KL_REFERENCE_BASE, LossConfig
 from torchtitan_rl.models.lora import LoRAConfig
-from torchtitan_rl.models.qwen3 import ModelConfig
+from torchtitan_rl.models.model_config import ModelConfig
 from torchtitan_rl.rollout.advantages import AdvantageConfig
 from torchtitan_rl.rollout.batcher import BatcherConfig
 from torchtitan_rl.rollout.rollout_config import RolloutConfig

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from torchtitan_rl.checks import check_range
-from torchtitan_rl.models.qwen3 import ModelConfig
+from torchtitan_rl.models.model_config import ModelConfig
 
 TARGETS = {
     "q_proj": ("attention.wq", "self_attn"),

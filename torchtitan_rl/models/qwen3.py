@@ -8,7 +8,6 @@ with a KV cache. Legend: B batch rows, S sequence length, N loss tokens, D model
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,8 +19,8 @@ from torchtitan.models.attention import FlexAttentionWrapper
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs, qwen3_args
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-from torchtitan_rl.hf_folder import check_hf_folder
 from torchtitan_rl.losses.logprobs import token_logprobs, vocab_parallel_token_logprobs
+from torchtitan_rl.models.model_config import BUILTIN_FLAVORS, ModelConfig
 
 TINY_ARGS = dict(
     dim=128,
@@ -38,29 +37,7 @@ TINY_ARGS = dict(
 SMALL_ARGS = {**TINY_ARGS, "dim": 192, "n_layers": 6, "n_heads": 6, "hidden_dim": 768}
 """A ~3.6M-parameter variant of the tiny model: deeper and wider, ~3x its compute."""
 BUILTIN_ARGS = {"tiny": TINY_ARGS, "small": SMALL_ARGS}
-
-
-@dataclass(kw_only=True, slots=True)
-class ModelConfig:
-    """TOML section [model]."""
-
-    flavor: str = "tiny"
-    """Random-init shape when hf_checkpoint is empty: "tiny", "small" or a torchtitan Qwen3 flavor
-    ("0.6B", "1.7B", "4B", "8B", "14B", "32B")."""
-    hf_checkpoint: str = ""
-    """Local Hugging Face Qwen3 folder (config.json, tokenizer.json, *.safetensors); empty =
-    the built-in tiny model and tokenizer."""
-    max_seq_len: int = 1024
-    """Longest sequence (prompt + completions) the model is set up for, in tokens."""
-
-    def validate(self) -> None:
-        valid = [*BUILTIN_ARGS, *[k for k in qwen3_args if "moe" not in k and "A" not in k]]
-        if self.flavor not in valid:
-            raise ValueError(f"model.flavor: unknown flavor {self.flavor!r}; valid: {valid}")
-        if self.hf_checkpoint:
-            check_hf_folder("model.hf_checkpoint", self.hf_checkpoint, tokenizer=True)
-        if self.max_seq_len < 16:
-            raise ValueError(f"model.max_seq_len must be >= 16, got {self.max_seq_len}")
+assert tuple(BUILTIN_ARGS) == BUILTIN_FLAVORS
 
 
 def model_args(config: ModelConfig, vocab_size: int) -> Qwen3ModelArgs:
