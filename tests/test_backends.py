@@ -158,6 +158,18 @@ def test_served_adapters_on_a_gpu_follow_gpu_adapter_dtypes(monkeypatch):
     _set(monkeypatch, "native", gpu_adapter_dtypes=())
     load_config(TINY, ["--parallelism.device=cuda", *served])
     assert traits("vllm").gpu_adapter_dtypes == ("bfloat16",)
+    # checked again where the engine starts (a launcher's config may load on a host without
+    # a GPU, device "auto"), before vLLM is imported
+    from torchtitan_rl.generation.vllm_engine import start_vllm_engine
+    from torchtitan_rl.models.lora import LoRAConfig
+
+    config = EngineConfig(backend="vllm", dtype="float32")
+    with pytest.raises(
+        ValueError,
+        match='^lora.vllm_sync = "adapters" with generator.dtype = "float32": vLLM serves',
+    ):
+        start_vllm_engine("unused", config, torch.device("cuda"), state_dict_adapter=None,
+                          lora=LoRAConfig(rank=8, vllm_sync="adapters"))  # fmt: skip
 
 
 def test_decode_attention_follows_own_decode_attention(monkeypatch):

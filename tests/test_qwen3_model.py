@@ -79,7 +79,7 @@ def test_the_config_names_torchtitans_dense_qwen3_flavors():
 
 def test_flex_attention_compiles_without_autotuning_and_matches_a_float64_reference():
     """The GPU model's FlexAttention (`use_flex_attention`) is compiled with Inductor's
-    defaults, not torchtitan's max-autotune (48 s more first step on an H200, the same steady
+    defaults, not torchtitan's max-autotune (53 s more first step on an H200, the same steady
     step: scripts/bench_flex_compile.py), and computes masked attention: packed documents and
     padding against float64 SDPA with the dense document mask (run here by Inductor's CPU
     backend, which has no float64)."""

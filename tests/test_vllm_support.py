@@ -108,38 +108,49 @@ def test_features_follow_what_the_engine_object_has():
     assert not detect_features(Fake026()).weight_versions
     assert detect_features(Fake032()).weight_versions
     assert "own step bookkeeping" in detect_features(Fake026()).describe()
-    reload_032 = SimpleNamespace(get_parameter_for_reload=lambda model, name: None)
-    assert not detect_features(Fake026(), None).reload_finds_lora_layers
-    assert detect_features(Fake032(), reload_032).reload_finds_lora_layers
 
 
 def test_names_in_lora_layers_reach_the_wrapped_layers_base_weights():
     """vLLM 0.26 built with LoRA, as on an H200: q/k/v fused into a wrapped qkv_proj, o_proj
-    wrapped, the norms and embeddings not. A name reaches `<layer>.base_layer.<param>` where
-    the layer (or the fused layer it is part of) is wrapped, and stays as it is elsewhere."""
+    and a top-level lm_head wrapped, the norms and embeddings not. A name reaches
+    `<layer>.base_layer.<param>` where the layer (or the fused layer it is part of) is
+    wrapped, and stays as it is elsewhere, and wherever the wrapper loads its base layer
+    itself (vLLM 0.32's `BaseLayerWithLoRA.load_weights`)."""
 
-    def linear():
-        return torch.nn.Linear(2, 2, bias=False)
+    class Wrapper026(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base_layer = torch.nn.Linear(2, 2, bias=False)
 
-    def wrapped():
-        return torch.nn.ModuleDict({"base_layer": linear()})
+    class Wrapper032(Wrapper026):
+        def load_weights(self, weights):
+            return []
 
-    attention = torch.nn.ModuleDict({"qkv_proj": wrapped(), "o_proj": wrapped()})
-    attention["q_norm"] = torch.nn.LayerNorm(2)
-    layer = torch.nn.ModuleDict({"self_attn": attention, "mlp": torch.nn.ModuleDict()})
-    layer["mlp"]["down_proj"] = linear()  # a layer LoRA does not serve
-    model = torch.nn.Module()
-    model.model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([layer])})
-    model.model["embed_tokens"] = torch.nn.Embedding(4, 2)
-    model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-    rename = names_in_lora_layers(model)
+    def model_with(wrapper):
+        attention = torch.nn.ModuleDict({"qkv_proj": wrapper(), "o_proj": wrapper()})
+        attention["q_norm"] = torch.nn.LayerNorm(2)
+        layer = torch.nn.ModuleDict({"self_attn": attention, "mlp": torch.nn.ModuleDict()})
+        layer["mlp"]["down_proj"] = torch.nn.Linear(2, 2)  # a layer LoRA does not serve
+        model = torch.nn.Module()
+        model.model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([layer])})
+        model.model["embed_tokens"] = torch.nn.Embedding(4, 2)
+        model.lm_head = wrapper()
+        model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+        return model
+
+    rename = names_in_lora_layers(model_with(Wrapper026))
     a = "model.layers.0.self_attn."
     assert rename(a + "q_proj.weight") == a + "q_proj.base_layer.weight"
     assert rename(a + "v_proj.weight") == a + "v_proj.base_layer.weight"
     assert rename(a + "o_proj.weight") == a + "o_proj.base_layer.weight"
-    for same in (a + "q_norm.weight", "model.layers.0.mlp.down_proj.weight",
-                 "model.embed_tokens.weight"):  # fmt: skip
-        assert rename(same) == same
+    assert rename("lm_head.weight") == "lm_head.base_layer.weight"
+    unchanged = [a + "q_norm.weight", "model.layers.0.mlp.down_proj.weight",
+                 "model.embed_tokens.weight"]  # fmt: skip
+    for name in unchanged:
+        assert rename(name) == name
+    rename = names_in_lora_layers(model_with(Wrapper032))
+    for name in [*unchanged, a + "q_proj.weight", a + "o_proj.weight", "lm_head.weight"]:
+        assert rename(name) == name
 
 
 def test_weight_path_names_host_or_device_tensors():

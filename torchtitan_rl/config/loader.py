@@ -29,7 +29,7 @@ from torchtitan_rl.config.job import (
 from torchtitan_rl.config.launcher import LauncherConfig, check_hosts
 from torchtitan_rl.envs import resolve_environment
 from torchtitan_rl.envs.base import EnvConfig
-from torchtitan_rl.generation.backends import traits
+from torchtitan_rl.generation.backends import check_served_adapter_dtype, traits
 from torchtitan_rl.generation.interface import EngineConfig
 from torchtitan_rl.losses.corrections import CorrectionConfig, check_objective
 from torchtitan_rl.losses.policy_loss import KL_REFERENCE_BASE, LossConfig
@@ -142,14 +142,11 @@ class Config:
             )
         device = self.parallelism.device
         on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-        dtype = self.generator.dtype
-        served = self.lora.enabled and self.lora.vllm_sync == "adapters" and own.gpu_adapter_dtypes
-        if served and not on_cpu and dtype not in own.gpu_adapter_dtypes:
-            raise ConfigError(
-                f'lora.vllm_sync = "adapters" with generator.dtype = "{dtype}": {own.label} '
-                f"serves adapters on a GPU in {' or '.join(own.gpu_adapter_dtypes)} only; use "
-                f'generator.dtype = "{own.gpu_adapter_dtypes[0]}" or lora.vllm_sync = "merged"'
-            )
+        if self.lora.enabled and self.lora.vllm_sync == "adapters":
+            try:
+                check_served_adapter_dtype(backend, self.generator.dtype, on_gpu=not on_cpu)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
         multiple = own.cpu_block_multiple
         if on_cpu and self.generator.block_size % multiple:  # 0: resolved to a multiple
             raise ConfigError(

@@ -107,6 +107,19 @@ BACKENDS: dict[Backend, BackendTraits] = {
 """Every `Backend` value's traits (tests/test_backends.py checks none is missing)."""
 
 
+def check_served_adapter_dtype(backend: Backend, dtype: str, *, on_gpu: bool) -> None:
+    """ValueError (one line naming both keys) where `backend` cannot serve [lora] adapters
+    (lora.vllm_sync = "adapters") in generator.dtype `dtype` on a GPU; checked by the config
+    and again by the engine on the GPU it got (the config may load on a host without one)."""
+    allowed = BACKENDS[backend].gpu_adapter_dtypes
+    if on_gpu and allowed and dtype not in allowed:
+        raise ValueError(
+            f'lora.vllm_sync = "adapters" with generator.dtype = "{dtype}": '
+            f"{BACKENDS[backend].label} serves adapters on a GPU in {' or '.join(allowed)} "
+            f'only; use generator.dtype = "{allowed[0]}" or lora.vllm_sync = "merged"'
+        )
+
+
 def traits(backend: Backend) -> BackendTraits:
     """The row of `backend` (a `Backend` value, already validated by the config)."""
     return BACKENDS[backend]

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from torchtitan_rl.generation.backends import check_served_adapter_dtype
 from torchtitan_rl.generation.front import EngineFront
 from torchtitan_rl.generation.interface import AdapterUse, EngineConfig, error_completion
 from torchtitan_rl.generation.vllm_lora import (
@@ -185,6 +186,8 @@ def start_vllm_engine(
     Raises ValueError (one line) for a vLLM release outside `vllm_support.SUPPORTED_VLLM`."""
     config = config.for_device(device.type)
     config.validate()
+    if lora is not None:
+        check_served_adapter_dtype("vllm", config.dtype, on_gpu=device.type == "cuda")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     import vllm
 
@@ -218,11 +221,7 @@ def start_vllm_engine(
     quiet_vllm_logs()
     with _unscannable_modules_hidden():
         llm = LLMEngine.from_engine_args(args)
-    try:  # 0.32: its in-place reload finds the layers wrapped for LoRA itself
-        from vllm.model_executor.model_loader.reload import inplace as reload_module
-    except ImportError:
-        reload_module = None
-    features = detect_features(llm, reload_module)
+    features = detect_features(llm)
     logger.info("vLLM %s on %s: %s", vllm.__version__, device, features.describe())
     adapters = None
     if lora is not None:
@@ -397,7 +396,7 @@ class VllmEngine(EngineFront):
             logger.info("vLLM %s", path)
             self._weight_path = path
         hf_state = self._adapter.to_hf(weights)
-        if self._adapters is not None and not self._features.reload_finds_lora_layers:
+        if self._adapters is not None:  # built with LoRA: the wrapped layers' own weights
             if self._lora_names is None:
                 (model,) = self._llm.collective_rpc("get_model")
                 self._lora_names = names_in_lora_layers(model)

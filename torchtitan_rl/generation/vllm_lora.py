@@ -125,13 +125,17 @@ def split_adapters(state) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tens
 
 def names_in_lora_layers(model) -> Callable[[str], str]:
     """Hugging Face weight name -> the name a reload reaches it by in `model` (vLLM's model
-    built with LoRA): vLLM wraps each layer LoRA serves, and the wrapped layer's own weight
-    is `<layer>.base_layer.<param>`. vLLM 0.32 resolves that itself; 0.26's loader does not
-    ("no module or parameter named '...qkv_proj.weight'"), so the names point there. A layer
-    fused from several (q/k/v into qkv_proj: the model's `packed_modules_mapping`) keeps its
-    own name before `.base_layer.`: the loader's stacking maps the prefix as before."""
+    built with LoRA). vLLM wraps each layer it serves LoRA on, the layer's own weight then
+    being `<layer>.base_layer.<param>`. A wrapper with a `load_weights` of its own (vLLM
+    0.32) loads the plain name into its base layer; one without (0.26: "no module or
+    parameter named '...qkv_proj.weight'") needs the name to point there. A layer fused from
+    several (q/k/v into qkv_proj: the model's `packed_modules_mapping`) keeps its own name
+    before `.base_layer.`, so the loader's stacking maps the prefix as before."""
     wrapped = {
-        n.split(".base_layer.")[0] for n, _ in model.named_parameters() if ".base_layer." in n
+        name
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "_modules", {}).get("base_layer"), torch.nn.Module)
+        and not callable(getattr(type(module), "load_weights", None))
     }
     fused = {
         part: whole
@@ -142,7 +146,8 @@ def names_in_lora_layers(model) -> Callable[[str], str]:
     def rename(name: str) -> str:
         layer, _, param = name.rpartition(".")
         parent, _, leaf = layer.rpartition(".")
-        if f"{parent}.{fused.get(leaf, leaf)}" in wrapped:
+        module = fused.get(leaf, leaf)
+        if (f"{parent}.{module}" if parent else module) in wrapped:
             return f"{layer}.base_layer.{param}"
         return name
 

