@@ -124,15 +124,18 @@ def test_config_never_imports_the_controller():
     assert "torchtitan_rl.config.job" in graph  # the job-wide sections live in config/
 
 
-def test_the_config_and_the_rollout_process_load_without_torchtitan():
+def test_the_config_the_controller_and_the_rollout_process_load_without_torchtitan():
     """torchtitan's package takes 7-8 s to import on a 2-core VM (its `__init__` pulls in
     datasets, the validator and Inductor): loading a config (a user's mistake is one line
-    after it) and starting a rollout process (it unpickles the config) do without it."""
+    after it), the controller (it names the actor classes to spawn them) and starting a
+    rollout process (it unpickles the config) do without it; the trainer and generator
+    processes import it where their actors run."""
     import subprocess
     import sys
 
     check = (
-        "import sys, torchtitan_rl.config, torchtitan_rl.actors.rollout; "
+        "import sys, torchtitan_rl.config, torchtitan_rl.actors.rollout, "
+        "torchtitan_rl.controller.loop; "
         "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('torchtitan')}))"
     )
     run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,

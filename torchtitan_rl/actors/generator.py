@@ -22,7 +22,7 @@ from torchtitan_rl.generation.interface import (
     error_completion,
 )
 from torchtitan_rl.models.lora import LoRAConfig
-from torchtitan_rl.models.qwen3 import ModelConfig
+from torchtitan_rl.models.model_config import ModelConfig
 from torchtitan_rl.types import Completion, SamplingParams, ids_from_wire
 from torchtitan_rl.weight_sync.lora_sync import Payload
 from torchtitan_rl.weight_sync.packing import visible_cuda_uuids

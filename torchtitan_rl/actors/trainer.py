@@ -1,4 +1,9 @@
-"""Monarch adapter for TrainerCore: one actor per trainer process, endpoints only."""
+"""Monarch adapter for TrainerCore: one actor per trainer process, endpoints only.
+
+The trainer's own modules (TrainerCore, checkpoints, the Hugging Face and PEFT exports, and
+through them torchtitan's model: 7-8 s of imports on a 2-core VM) are imported where the
+actor runs, in its methods: the controller, which only names this class to spawn it, loads
+without them."""
 
 from __future__ import annotations
 
@@ -20,12 +25,8 @@ from torchtitan_rl.device import (
 )
 from torchtitan_rl.losses.corrections import CorrectionConfig
 from torchtitan_rl.losses.policy_loss import LossConfig
-from torchtitan_rl.models.hf_export import export_hf
 from torchtitan_rl.models.lora import LoRAConfig, is_adapter, merged_full_state
-from torchtitan_rl.models.peft_export import export_peft
-from torchtitan_rl.models.qwen3 import ModelConfig
-from torchtitan_rl.training.checkpoint import load_trainer_state, save_trainer_state
-from torchtitan_rl.training.trainer import TrainerCore
+from torchtitan_rl.models.model_config import ModelConfig
 from torchtitan_rl.training.trainer_config import TrainingConfig, WarmStartConfig
 from torchtitan_rl.types import Microbatch
 from torchtitan_rl.weight_sync.lora_sync import NO_BASE, Payload, adapter_payload
@@ -67,6 +68,8 @@ class TrainerActor(Actor):
         dev = pick_device(device, cpu_threads, gpus[local] if gpus else None)
         cap_gpu_memory(dev, training.gpu_memory_gib, "training.gpu_memory_gib")
         init_process_group(dev)
+        from torchtitan_rl.training.trainer import TrainerCore  # here: module docstring
+
         self.core = TrainerCore(
             model_config=model,
             training=training,
@@ -202,12 +205,16 @@ class TrainerActor(Actor):
     @endpoint
     async def save_checkpoint(self, folder: str) -> None:
         """Every rank writes its shards of model, optimizer, scheduler and counters."""
+        from torchtitan_rl.training.checkpoint import save_trainer_state
+
         save_trainer_state(self.core, folder)
 
     @endpoint
     async def load_checkpoint(self, folder: str) -> int:
         """Every rank loads its shards; returns the restored policy version. A base the
         checkpoint holds (warm-started) is sent under a new id, as after the warm start."""
+        from torchtitan_rl.training.checkpoint import load_trainer_state
+
         before = self.core.base
         version = load_trainer_state(self.core, folder)
         if self.core.base != before:
@@ -219,6 +226,9 @@ class TrainerActor(Actor):
         """Every rank gathers the full weights; rank 0 writes the Hugging Face folder. With
         [lora] on it holds the merged weights, and a PEFT adapter folder goes next to it
         (`<folder>_adapter`, models/peft_export.py)."""
+        from torchtitan_rl.models.hf_export import export_hf
+        from torchtitan_rl.models.peft_export import export_peft
+
         lora = self.core.lora.enabled
         state = self.core.full_state_dict(merged=False)
         adapters = self.core.adapters() if lora else None
