@@ -183,7 +183,8 @@ def start_vllm_engine(
 ) -> VllmEngine:  # fmt: skip
     """vLLM started from `hf_folder` in this process, behind `VllmEngine`; with `lora` (a
     `LoRAConfig`) built with LoRA, serving each version's adapters (generation/vllm_lora.py).
-    Raises ValueError (one line) for a vLLM release outside `vllm_support.SUPPORTED_VLLM`."""
+    Raises ValueError (one line) for a vLLM release outside `vllm_support.SUPPORTED_VLLM`,
+    and for served adapters in a dtype vLLM's GPU LoRA kernels do not take."""
     config = config.for_device(device.type)
     config.validate()
     if lora is not None:
