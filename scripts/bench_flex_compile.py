@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from json_out import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 CASES = [
     *[("0.6B", compile_, flex) for compile_ in (True, False) for flex in ("ours", "torchtitan")],
@@ -131,10 +133,7 @@ def main() -> None:
         print(f"| {r['flavor']} | {str(r['compile']).lower()} | {r['flex']} | "
               f"{r['first_step_s']:.1f} | {r['first_forward_s']:.1f} | {r['step_ms']:.1f} | "
               f"{r['forward_ms']:.1f} | {r['process_s']:.0f} |")  # fmt: skip
-    out = Path(args.out or Path(os.environ.get("OUT", "outputs")) / "bench_flex_compile.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(device=device, rows=rows), indent=2))
-    print(f"wrote {out}")
+    write_json(args.out, "bench_flex_compile.json", dict(device=device, rows=rows))
     if len(rows) < (1 if args.smoke else len(CASES)):
         sys.exit(1)
 

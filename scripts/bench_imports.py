@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from json_out import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = {
     "floor: torch": "torch",
@@ -79,10 +81,7 @@ def main() -> None:
         print(f"| {r['row']} | `{r['module']}` | {r['seconds']:.2f} | "
               f"{' '.join(f'{s:.2f}' for s in r['each'])} | {r['modules']:,} | "
               f"{'yes' if r['torchtitan'] else 'no'} |")  # fmt: skip
-    out = Path(args.out or Path(os.environ.get("OUT", "outputs")) / "bench_imports.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(cores=os.cpu_count(), rows=results), indent=2))
-    print(f"wrote {out}")
+    write_json(args.out, "bench_imports.json", dict(cores=os.cpu_count(), rows=results))
 
 
 if __name__ == "__main__":
