@@ -293,6 +293,8 @@ class VllmEngine(EngineFront):
         self._weight_path = ""
         self._lora_names: Callable[[str], str] | None = None
         """With adapters: Hugging Face name -> the reload's (`names_in_lora_layers`)."""
+        if adapters is not None:  # built with LoRA: its wrapped layers are known from now on
+            self._lora_names = names_in_lora_layers(llm.collective_rpc("get_model")[0])
         if features.weight_versions:
             llm.set_weight_version("0")
 
@@ -397,10 +399,7 @@ class VllmEngine(EngineFront):
             logger.info("vLLM %s", path)
             self._weight_path = path
         hf_state = self._adapter.to_hf(weights)
-        if self._adapters is not None:  # built with LoRA: the wrapped layers' own weights
-            if self._lora_names is None:
-                (model,) = self._llm.collective_rpc("get_model")
-                self._lora_names = names_in_lora_layers(model)
+        if self._lora_names is not None:  # built with LoRA: the wrapped layers' own weights
             hf_state = {self._lora_names(k): v for k, v in hf_state.items()}
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_state.items()})
         if self._features.weight_versions:

@@ -20,7 +20,7 @@ from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs, qwen3_args
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from torchtitan_rl.losses.logprobs import token_logprobs, vocab_parallel_token_logprobs
-from torchtitan_rl.models.model_config import BUILTIN_FLAVORS, ModelConfig
+from torchtitan_rl.models.model_config import ModelConfig
 
 TINY_ARGS = dict(
     dim=128,
@@ -37,7 +37,6 @@ TINY_ARGS = dict(
 SMALL_ARGS = {**TINY_ARGS, "dim": 192, "n_layers": 6, "n_heads": 6, "hidden_dim": 768}
 """A ~3.6M-parameter variant of the tiny model: deeper and wider, ~3x its compute."""
 BUILTIN_ARGS = {"tiny": TINY_ARGS, "small": SMALL_ARGS}
-assert tuple(BUILTIN_ARGS) == BUILTIN_FLAVORS
 
 
 def model_args(config: ModelConfig, vocab_size: int) -> Qwen3ModelArgs:
